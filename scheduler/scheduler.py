@@ -1,0 +1,310 @@
+"""The scheduler: waiting queue, running requests, one mixed prefill+decode batch per step.
+
+Each step: every running request advances (a decode by 1 token, a chunked prefill by its next
+chunk); if their KV does not fit, requests are retracted to the waiting queue; otherwise waiting
+requests are admitted by PrefillAdder. One forward runs the whole batch. No sockets here:
+scheduler/process.py feeds requests in and ships outputs out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from model_worker.batch import ModelWorkerBatch
+from protocol.internal import ReqError, ReqTokenOut, TokenizedGenerateReq
+from protocol.wire import FinishReason, ServerInfoReply
+from scheduler.invariants import check_invariants
+from scheduler.memory_pool import ReqToTokenPool, TokenSlotAllocator
+from scheduler.prefill_adder import NewTokenRatio, PrefillAdder, reserved_tokens
+from scheduler.req import Req
+from scheduler.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger("radixserve.scheduler")
+
+# After a retraction, assume each running request still needs this many decode steps (SGLang).
+RETRACT_DECODE_STEPS = 20
+
+
+class ModelWorker(Protocol):
+    def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        """Next token id of every sequence of the batch, int64 [B] on the CPU."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_total_tokens: int  # usable KV slots
+    max_running_requests: int
+    max_prefill_tokens: int  # token budget of one step
+    chunked_prefill_size: int
+    context_len: int
+    eos_token_ids: frozenset[int]
+    log_interval: int = 40
+    check_invariants: bool = False
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_steps: int = 0
+    num_mixed_steps: int = 0
+    num_retractions: int = 0
+    num_decode_steps: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    gen_tokens_since_log: int = 0
+    last_log_time: float = 0.0
+    gen_throughput: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, worker: ModelWorker):
+        self.config = config
+        self.worker = worker
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.context_len)
+        self.allocator = TokenSlotAllocator(config.max_total_tokens)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.new_token_ratio = NewTokenRatio()
+        self.stats = SchedulerStats(last_log_time=time.monotonic())
+        self.outbox: list[ReqTokenOut] = []  # outputs for the detokenizer, drained by the loop
+
+    # ---- input ---------------------------------------------------------------------------------
+
+    def add_request(self, msg: TokenizedGenerateReq) -> ReqError | None:
+        params = msg.sampling_params
+        n_prompt = len(msg.input_ids)
+        if n_prompt >= self.config.context_len:
+            return ReqError(
+                msg.rid,
+                "too_long",
+                f"the prompt has {n_prompt} tokens; the context length is "
+                f"{self.config.context_len}, which must leave room for at least one new token",
+            )
+        peak = min(n_prompt + params.max_new_tokens, self.config.context_len)
+        if peak > self.config.max_total_tokens:
+            return ReqError(
+                msg.rid,
+                "too_long",
+                f"prompt + max_new_tokens needs {peak} KV tokens; the whole KV pool holds "
+                f"{self.config.max_total_tokens} (--max-total-tokens)",
+            )
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.config.eos_token_ids
+        req = Req(msg.rid, msg.input_ids, params, msg.stream, frozenset(stop_ids))
+        self.stats.prompt_tokens += n_prompt
+        if params.max_new_tokens == 0:
+            req.finished_reason = FinishReason("length")
+            self._emit(req)
+        else:
+            self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str) -> None:
+        """End a waiting or running request; unknown rids (already finished) are ignored."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._release(req)
+                    req.finished_reason = FinishReason("abort")
+                    self._emit(req)
+                    return
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> ScheduleBatch | None:
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            next_token_ids = self.run_batch(batch)
+            self.process_batch_result(batch, next_token_ids)
+        if self.config.check_invariants:
+            check_invariants(self, batch)
+        return batch
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        plan, retracted = self._plan_running()
+        if not retracted:
+            plan += self._admit_waiting(sum(n for _, n in plan))
+        if not plan:
+            return None
+        out_cache_loc = self.allocator.alloc(sum(n for _, n in plan))
+        assert out_cache_loc is not None, "planning left too few free KV slots"
+        reqs = [r for r, _ in plan]
+        return ScheduleBatch(
+            reqs=reqs,
+            prefix_lens=[r.num_computed_tokens for r in reqs],
+            extend_lens=[n for _, n in plan],
+            out_cache_loc=out_cache_loc,
+            num_decodes=sum(r.is_decoding for r in reqs),
+        )
+
+    def run_batch(self, batch: ScheduleBatch) -> list[int]:
+        mwb = batch.to_model_worker_batch(self.req_to_token_pool)
+        return self.worker.forward(mwb).tolist()
+
+    def process_batch_result(self, batch: ScheduleBatch, next_token_ids: list[int]) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_mixed_steps += batch.is_mixed
+        for req, prefix, extend, token in zip(
+            batch.reqs, batch.prefix_lens, batch.extend_lens, next_token_ids
+        ):
+            req.num_computed_tokens = prefix + extend
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk: its sampled token predicts nothing yet
+            req.output_ids.append(token)
+            stats.gen_tokens_since_log += 1
+            req.check_finished(self.config.context_len)
+            if req.finished:
+                self.running.remove(req)
+                self._release(req)
+                self._emit(req)
+            elif req.stream:
+                self._emit(req)
+        if batch.num_decodes:
+            stats.num_decode_steps += 1
+            self.new_token_ratio.decay()
+            if stats.num_decode_steps % self.config.log_interval == 0:
+                self._log_decode()
+        if batch.num_decodes < len(batch.reqs):
+            self._log_prefill(batch)
+
+    # ---- planning ------------------------------------------------------------------------------
+
+    def _plan_running(self) -> tuple[list[tuple[Req, int]], bool]:
+        """Tokens each running request computes this step, decodes first. Retracts requests until
+        the plan's KV fits; returns the plan and whether anything was retracted."""
+        retracted = False
+        while True:
+            budget = self.config.max_prefill_tokens
+            plan: list[tuple[Req, int]] = []
+            for req in sorted(self.running, key=lambda r: r.num_uncomputed_tokens):
+                n = min(req.num_uncomputed_tokens, self.config.chunked_prefill_size, budget)
+                if n > 0:
+                    plan.append((req, n))
+                    budget -= n
+            if sum(n for _, n in plan) <= self.allocator.num_free:
+                return plan, retracted
+            self._retract_one()
+            retracted = True
+
+    def _retract_one(self) -> None:
+        """retract_decode, one victim: the request with the fewest outputs (then the longest
+        prompt) goes back to the front of the waiting queue and will be recomputed."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self.running.remove(victim)
+        self._release(victim)
+        self.waiting.appendleft(victim)
+        self.stats.num_retractions += 1
+        if self.running:
+            decoded = sum(len(r.output_ids) for r in self.running)
+            wanted = sum(r.sampling_params.max_new_tokens for r in self.running)
+            estimate = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max(wanted, 1)
+            self.new_token_ratio.raise_to(estimate)
+        logger.info(
+            "Retract request %s. #running-req: %d, new_token_ratio: %.2f",
+            victim.rid, len(self.running), self.new_token_ratio.value,
+        )
+
+    def _admit_waiting(self, running_tokens: int) -> list[tuple[Req, int]]:
+        ratio = self.new_token_ratio.value
+        reserve = sum(reserved_tokens(r, ratio) for r in self.running)
+        adder = PrefillAdder(
+            token_budget=self.config.max_prefill_tokens - running_tokens,
+            chunk_size=self.config.chunked_prefill_size,
+            free_kv=self.allocator.num_free - reserve,
+            running_slots=self.config.max_running_requests - len(self.running),
+            ratio=ratio,
+        )
+        admitted: list[tuple[Req, int]] = []
+        while self.waiting:
+            n = adder.try_add(self.waiting[0])
+            if n == 0:
+                break
+            req = self.waiting.popleft()
+            req.req_pool_idx = self.req_to_token_pool.alloc()
+            self.running.append(req)
+            admitted.append((req, n))
+        return admitted
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def _release(self, req: Req) -> None:
+        """Give back the request's KV slots and row; its computed tokens must be recomputed."""
+        if req.req_pool_idx is None:
+            return
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.num_computed_tokens]
+        self.allocator.free(slots.clone())
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.num_computed_tokens = 0
+
+    def _emit(self, req: Req) -> None:
+        new_ids = req.output_ids[req.num_sent_tokens :]
+        req.num_sent_tokens = len(req.output_ids)
+        self.outbox.append(
+            ReqTokenOut(
+                rid=req.rid,
+                new_token_ids=new_ids,
+                finished_reason=req.finished_reason,
+                prompt_tokens=len(req.origin_input_ids),
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens,
+                skip_special_tokens=req.sampling_params.skip_special_tokens,
+            )
+        )
+
+    @property
+    def kv_tokens_used(self) -> int:
+        return self.config.max_total_tokens - self.allocator.num_free
+
+    def server_info(self) -> ServerInfoReply:
+        stats = self.stats
+        return ServerInfoReply(
+            running_requests=len(self.running),
+            waiting_requests=len(self.waiting),
+            kv_tokens_used=self.kv_tokens_used,
+            kv_tokens_total=self.config.max_total_tokens,
+            cache_hit_rate=stats.cached_tokens / max(stats.prompt_tokens, 1),
+            gen_throughput=stats.gen_throughput,
+            num_steps=stats.num_steps,
+            num_mixed_steps=stats.num_mixed_steps,
+            num_retractions=stats.num_retractions,
+            max_running_requests=self.config.max_running_requests,
+        )
+
+    def _log_prefill(self, batch: ScheduleBatch) -> None:
+        logger.info(
+            "Prefill batch. #prefill-seq: %d, #new-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(batch.reqs) - batch.num_decodes,
+            batch.num_tokens - batch.num_decodes,
+            self.kv_tokens_used / self.config.max_total_tokens,
+            len(self.running),
+            len(self.waiting),
+        )
+
+    def _log_decode(self) -> None:
+        stats = self.stats
+        now = time.monotonic()
+        stats.gen_throughput = stats.gen_tokens_since_log / max(now - stats.last_log_time, 1e-9)
+        stats.gen_tokens_since_log, stats.last_log_time = 0, now
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+            "gen throughput (token/s): %.2f, #queue-req: %d",
+            len(self.running),
+            self.kv_tokens_used,
+            self.kv_tokens_used / self.config.max_total_tokens,
+            stats.gen_throughput,
+            len(self.waiting),
+        )

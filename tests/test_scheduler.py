@@ -1,0 +1,159 @@
+"""The real scheduler and pools, driven with a fake model worker (tests/fake_worker.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fake_worker import EOS, FakeModelWorker, reference_tokens
+
+from protocol.internal import TokenizedGenerateReq
+from protocol.wire import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+def make_scheduler(pool=4096, running=64, budget=512, chunk=256, context=2048) -> Scheduler:
+    config = SchedulerConfig(
+        max_total_tokens=pool,
+        max_running_requests=running,
+        max_prefill_tokens=budget,
+        chunked_prefill_size=chunk,
+        context_len=context,
+        eos_token_ids=frozenset({EOS}),
+        check_invariants=True,
+    )
+    return Scheduler(config, FakeModelWorker(pool))
+
+
+def gen(rid: str, prompt: list[int], max_new: int, **params) -> TokenizedGenerateReq:
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True, **params)
+    return TokenizedGenerateReq(rid, prompt, sp, stream=True)
+
+
+def run_to_completion(s: Scheduler, max_steps: int = 100_000) -> dict[str, list]:
+    """Step until idle; returns each rid's outputs in order (ReqTokenOut list)."""
+    outs: dict[str, list] = {}
+    for _ in range(max_steps):
+        for out in s.outbox:
+            outs.setdefault(out.rid, []).append(out)
+        s.outbox = []
+        if not s.has_unfinished():
+            return outs
+        s.step()
+    raise AssertionError("scheduler did not finish: deadlock or livelock")
+
+
+def tokens_of(outs: list) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+def test_single_request_matches_reference():
+    s = make_scheduler()
+    p = prompt(random.Random(0), 37)
+    s.add_request(gen("a", p, 20))
+    outs = run_to_completion(s)["a"]
+    assert tokens_of(outs) == reference_tokens(p, 20)
+    assert outs[-1].finished_reason.type == "length"
+    assert sum(o.finished_reason is not None for o in outs) == 1
+    assert s.allocator.num_free == s.config.max_total_tokens
+
+
+def test_concurrent_requests_mix_prefill_and_decode():
+    s = make_scheduler()
+    rng = random.Random(1)
+    prompts = {f"r{i}": prompt(rng, rng.randrange(1, 300)) for i in range(12)}
+    for i, (rid, p) in enumerate(prompts.items()):
+        s.add_request(gen(rid, p, 30))
+        if i % 3 == 2:  # later arrivals land while earlier requests decode
+            s.step()
+    outs = run_to_completion(s)
+    for rid, p in prompts.items():
+        assert tokens_of(outs[rid]) == reference_tokens(p, 30), rid
+    assert s.stats.num_mixed_steps > 0
+
+
+def test_long_prompt_is_chunked_while_others_decode():
+    s = make_scheduler(chunk=64, budget=128)
+    rng = random.Random(2)
+    short, long_ = prompt(rng, 10), prompt(rng, 500)
+    s.add_request(gen("short", short, 40))
+    s.step()
+    s.add_request(gen("long", long_, 5))
+    outs = run_to_completion(s)
+    assert tokens_of(outs["long"]) == reference_tokens(long_, 5)
+    assert tokens_of(outs["short"]) == reference_tokens(short, 40)
+    batches = s.worker.batches
+    long_chunks = [b for b in batches if b.extend_lens.max() > 1]
+    assert len(long_chunks) >= 500 // 64
+    assert all(int(b.extend_lens.max()) <= 64 for b in batches)
+    # "short" decoded in the steps that prefilled "long"
+    assert sum(b.batch_size == 2 for b in long_chunks) >= 3
+
+
+def test_small_pool_forces_retraction_and_outputs_survive():
+    s = make_scheduler(pool=600, running=32, budget=256, chunk=128)
+    rng = random.Random(3)
+    prompts = {f"r{i}": prompt(rng, rng.randrange(20, 120)) for i in range(16)}
+    for rid, p in prompts.items():
+        s.add_request(gen(rid, p, 60))
+    outs = run_to_completion(s)
+    assert s.stats.num_retractions > 0
+    for rid, p in prompts.items():
+        assert tokens_of(outs[rid]) == reference_tokens(p, 60), rid
+        assert sum(o.finished_reason is not None for o in outs[rid]) == 1
+
+
+def test_too_long_requests_are_refused_at_once():
+    s = make_scheduler(pool=100, context=64)
+    assert s.add_request(gen("a", list(range(1, 65)), 1)).code == "too_long"
+    assert s.add_request(gen("b", list(range(1, 60)), 100)) is None  # capped by the context
+    assert s.add_request(gen("c", list(range(1, 2)), 10)) is None
+    s2 = make_scheduler(pool=50, context=1000)
+    err = s2.add_request(gen("d", list(range(1, 40)), 20))
+    assert err.code == "too_long" and "KV pool" in err.message
+
+
+def test_max_new_tokens_past_context_stops_at_context():
+    s = make_scheduler(context=50)
+    p = list(range(1, 41))
+    s.add_request(gen("a", p, 100))
+    outs = run_to_completion(s)["a"]
+    assert len(tokens_of(outs)) == 10
+    assert outs[-1].finished_reason.type == "length"
+
+
+@pytest.mark.parametrize("when", ["waiting", "running", "mid_chunk"])
+def test_abort_frees_everything(when):
+    s = make_scheduler(chunk=16, budget=64)
+    s.add_request(gen("keep", list(range(1, 20)), 30))
+    s.add_request(gen("x", list(range(1, 100)), 30))
+    if when == "running":
+        for _ in range(8):
+            s.step()
+        assert any(r.rid == "x" and r.is_decoding for r in s.running)
+    elif when == "mid_chunk":
+        s.step()  # "keep" takes a partial chunk, which ends admission for this step
+        s.step()
+        assert any(r.rid == "x" and not r.is_decoding for r in s.running)
+    s.abort("x")
+    outs = run_to_completion(s)
+    assert outs["x"][-1].finished_reason.type == "abort"
+    assert sum(o.finished_reason is not None for o in outs["x"]) == 1
+    assert tokens_of(outs["keep"]) == reference_tokens(list(range(1, 20)), 30)
+    assert s.allocator.num_free == s.config.max_total_tokens
+
+
+def test_stop_token_ends_request_unless_ignore_eos():
+    s = make_scheduler()
+    p = [5, 6, 7]
+    expected = reference_tokens(p, 10)
+    stop_at = expected[3]
+    s.add_request(gen("a", p, 10, stop_token_ids=[stop_at]))
+    outs = run_to_completion(s)["a"]
+    assert tokens_of(outs) == expected[: expected.index(stop_at) + 1]
+    assert outs[-1].finished_reason.type == "stop"
+    assert outs[-1].finished_reason.matched == stop_at

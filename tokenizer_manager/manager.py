@@ -1,0 +1,216 @@
+"""The client endpoint: a ZMQ ROUTER speaking the wire format (docs: WIRE.md), on asyncio.
+
+Two loops: `client_loop` validates and tokenizes requests and forwards them to the scheduler;
+`output_loop` turns what the detokenizer and scheduler send back into replies. Each reply goes to
+the ROUTER envelope of the client that asked, and only to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from model_worker.model_config import ModelConfig
+from protocol import transport
+from protocol.internal import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    HealthOut,
+    HealthReq,
+    ReqError,
+    ReqStrOut,
+    ServerInfoOut,
+    ServerInfoReq,
+    TokenizedGenerateReq,
+    TokenizerManagerInput,
+)
+from protocol.wire import (
+    AbortRequest,
+    ClientRequest,
+    ErrorReply,
+    FlushCacheReply,
+    FlushCacheRequest,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    MetaInfo,
+    ModelInfoReply,
+    ModelInfoRequest,
+    OutputReply,
+    ServerInfoRequest,
+)
+from server_args import ServerArgs
+from tokenizer_manager.tokenization import Tokenization
+
+logger = logging.getLogger("radixserve.tokenizer_manager")
+
+Envelope = list[bytes]
+
+
+@dataclass(slots=True)
+class ReqState:
+    envelope: Envelope
+    stream: bool
+    created: float = field(default_factory=time.monotonic)
+    text: list[str] = field(default_factory=list)  # non-streaming: pieces until finished
+    output_ids: list[int] = field(default_factory=list)
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str):
+        self.args = args
+        self.model_path = model_path
+        self.model_config = ModelConfig.from_dir(model_path)
+        self.tokenization = Tokenization(model_path, self.model_config.vocab_size)
+        ctx = zmq.asyncio.Context()
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://{args.host}:{args.port}")
+        self.send_to_scheduler = transport.connect_push(ctx, ipc_dir, transport.SCHEDULER_INPUT)
+        self.recv_from_backend = transport.bind_pull(ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT)
+        self.client_decoder = msgspec.msgpack.Decoder(ClientRequest)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.codec = transport.Codec(TokenizerManagerInput)
+        self.rid_states: dict[str, ReqState] = {}
+        self.pending_queries: dict[int, Envelope] = {}
+        self.query_ids = itertools.count()
+
+    # ---- client -> server ----------------------------------------------------------------------
+
+    async def client_loop(self) -> None:
+        while True:
+            frames = await self.router.recv_multipart()
+            envelope, payload = frames[:-1], frames[-1]
+            try:
+                await self.handle_request(envelope, self.decode_request(payload))
+            except _ClientError as e:
+                await self.reply(envelope, ErrorReply(e.code, e.message, rid=e.rid))
+            except Exception as e:  # a bug must cost this client its request, not the server
+                logger.exception("request failed")
+                await self.reply(envelope, ErrorReply("internal", f"{type(e).__name__}: {e}"))
+
+    def decode_request(self, payload: bytes) -> msgspec.Struct:
+        if len(payload) > self.args.max_request_bytes:
+            raise _ClientError(
+                "invalid_request",
+                f"request of {len(payload)} bytes is over the limit of "
+                f"{self.args.max_request_bytes} (--max-request-bytes)",
+            )
+        try:
+            return self.client_decoder.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise _ClientError("invalid_request", str(e)) from None
+
+    async def handle_request(self, envelope: Envelope, req: msgspec.Struct) -> None:
+        match req:
+            case GenerateRequest():
+                await self.handle_generate(envelope, req)
+            case AbortRequest(rid=rid):
+                if rid not in self.rid_states:
+                    raise _ClientError("not_found", f"no request {rid!r} is in flight", rid)
+                await self.send_to_scheduler.send(self.codec.encode(AbortReq(rid)))
+            case ModelInfoRequest():
+                await self.reply(envelope, self.model_info())
+            case HealthRequest():
+                await self.forward_query(envelope, HealthReq)
+            case ServerInfoRequest():
+                await self.forward_query(envelope, ServerInfoReq)
+            case FlushCacheRequest():
+                await self.forward_query(envelope, FlushCacheReq)
+
+    async def handle_generate(self, envelope: Envelope, req: GenerateRequest) -> None:
+        rid = req.rid or uuid.uuid4().hex
+        if rid in self.rid_states:
+            raise _ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
+        try:
+            self.tokenization.check_supported(req)
+            input_ids = self.tokenization.input_ids(req)
+        except ValueError as e:
+            raise _ClientError("invalid_request", str(e), rid) from None
+        self.rid_states[rid] = ReqState(envelope, req.stream)
+        msg = TokenizedGenerateReq(
+            rid, input_ids, req.sampling_params, req.stream, req.return_logprob,
+            req.top_logprobs_num,
+        )
+        await self.send_to_scheduler.send(self.codec.encode(msg))
+
+    async def forward_query(self, envelope: Envelope, query_type: type) -> None:
+        qid = next(self.query_ids)
+        self.pending_queries[qid] = envelope
+        await self.send_to_scheduler.send(self.codec.encode(query_type(qid)))
+
+    def model_info(self) -> ModelInfoReply:
+        cfg = self.model_config
+        return ModelInfoReply(
+            model_path=self.model_path,
+            architecture=cfg.architecture,
+            context_length=self.args.context_length or cfg.max_position_embeddings,
+            vocab_size=cfg.vocab_size,
+            dtype=self.args.dtype,
+        )
+
+    # ---- server -> client ----------------------------------------------------------------------
+
+    async def output_loop(self) -> None:
+        while True:
+            msg = self.codec.decode(await self.recv_from_backend.recv())
+            match msg:
+                case BatchStrOut(outs=outs):
+                    for out in outs:
+                        await self.handle_output(out)
+                case ReqError(rid=rid, code=code, message=message):
+                    state = self.rid_states.pop(rid, None)
+                    if state is not None:
+                        await self.reply(state.envelope, ErrorReply(code, message, rid=rid))
+                case ServerInfoOut(query_id=qid, info=info):
+                    await self.answer_query(qid, info)
+                case FlushCacheOut(query_id=qid, success=ok, message=message):
+                    await self.answer_query(qid, FlushCacheReply(ok, message))
+                case HealthOut(query_id=qid):
+                    await self.answer_query(qid, HealthReply())
+
+    async def handle_output(self, out: ReqStrOut) -> None:
+        state = self.rid_states.get(out.rid)
+        if state is None:
+            return
+        finished = out.finished_reason is not None
+        if not state.stream:
+            state.text.append(out.text)
+            state.output_ids += out.new_token_ids
+            if not finished:
+                return
+        if finished:
+            del self.rid_states[out.rid]
+        meta = MetaInfo(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            finish_reason=out.finished_reason,
+            e2e_latency=time.monotonic() - state.created,
+        )
+        text, ids = (out.text, out.new_token_ids) if state.stream else (
+            "".join(state.text), state.output_ids)
+        await self.reply(state.envelope, OutputReply(out.rid, text, ids, finished, meta))
+
+    async def answer_query(self, qid: int, reply: msgspec.Struct) -> None:
+        envelope = self.pending_queries.pop(qid, None)
+        if envelope is not None:
+            await self.reply(envelope, reply)
+
+    async def reply(self, envelope: Envelope, reply: msgspec.Struct) -> None:
+        await self.router.send_multipart([*envelope, self.encoder.encode(reply)])
+
+
+class _ClientError(Exception):
+    def __init__(self, code: str, message: str, rid: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.rid = code, message, rid
