@@ -23,12 +23,15 @@ def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1
         force=True,
     )
     _die_with_parent()
-    # Ctrl-C reaches the whole process group; launch.py alone decides how to stop us.
+    # launch.py's SIGTERM must end us at once, even inside a blocking receive. Ctrl-C reaches the
+    # whole process group; launch.py alone decides how to stop us, so it is ignored here.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if "torch" in sys.modules or name == "scheduler":
-        import torch
+    # Every process imports torch (transformers does); its default pool would compete for the
+    # cores with the model.
+    import torch
 
-        torch.set_num_threads(torch_threads or os.cpu_count() or 1)
+    torch.set_num_threads(torch_threads or os.cpu_count() or 1)
 
 
 def _die_with_parent() -> None:

@@ -56,7 +56,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     content: str
 
 
-class _Request(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
+class _Request(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
     pass
 
 

@@ -58,7 +58,7 @@ class SchedulerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     gen_tokens_since_log: int = 0
-    last_log_time: float = 0.0
+    busy_time_since_log: float = 0.0  # seconds spent in steps: idle time is not throughput
     gen_throughput: float = 0.0
 
 
@@ -71,7 +71,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = NewTokenRatio()
-        self.stats = SchedulerStats(last_log_time=time.monotonic())
+        self.stats = SchedulerStats()
         self.outbox: list[ReqTokenOut] = []  # outputs for the detokenizer, drained by the loop
 
     # ---- input ---------------------------------------------------------------------------------
@@ -123,10 +123,12 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> ScheduleBatch | None:
+        start = time.perf_counter()
         batch = self.get_next_batch_to_run()
         if batch is not None:
             next_token_ids = self.run_batch(batch)
             self.process_batch_result(batch, next_token_ids)
+        self.stats.busy_time_since_log += time.perf_counter() - start
         if self.config.check_invariants:
             check_invariants(self, batch)
         return batch
@@ -296,9 +298,8 @@ class Scheduler:
 
     def _log_decode(self) -> None:
         stats = self.stats
-        now = time.monotonic()
-        stats.gen_throughput = stats.gen_tokens_since_log / max(now - stats.last_log_time, 1e-9)
-        stats.gen_tokens_since_log, stats.last_log_time = 0, now
+        stats.gen_throughput = stats.gen_tokens_since_log / max(stats.busy_time_since_log, 1e-9)
+        stats.gen_tokens_since_log, stats.busy_time_since_log = 0, 0.0
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
             "gen throughput (token/s): %.2f, #queue-req: %d",

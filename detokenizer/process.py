@@ -1,0 +1,43 @@
+"""The detokenizer process: token ids from the scheduler in, text to the tokenizer manager out."""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+
+import msgspec
+import zmq
+
+from detokenizer.incremental import BatchDecoder, IncrementalDetokenizer
+from process_setup import configure_process
+from protocol import transport
+from protocol.internal import BatchStrOut, BatchTokenOut, ProcessReady
+from server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def run_detokenizer_process(
+    server_args: ServerArgs, model_path: str, ipc_dir: str, ready_writer: Connection
+) -> None:
+    configure_process("detokenizer", server_args)
+    detokenizer = IncrementalDetokenizer(_load_tokenizer(model_path))
+    ctx = zmq.Context(io_threads=1)
+    recv_sock = transport.bind_pull(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
+    send_sock = transport.connect_push(ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT)
+    codec = transport.Codec(BatchTokenOut)
+
+    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady(name="detokenizer")))
+    ready_writer.close()
+    logger.info("ready")
+    while True:
+        # A blocking receive: the process sleeps while nothing is generated.
+        batch: BatchTokenOut = codec.decode(recv_sock.recv())
+        send_sock.send(codec.encode(BatchStrOut(outs=detokenizer.step(batch.outs))))
+
+
+def _load_tokenizer(model_path: str) -> BatchDecoder:
+    # Imported here, in the child: launch.py imports this module only to name the entry point.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)

@@ -1,0 +1,265 @@
+"""The detokenizer with the default model's real byte-level BPE tokenizer, and its process."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
+from detokenizer.process import run_detokenizer_process
+from model_worker.model_source import default_model_dir
+from protocol import transport
+from protocol.internal import BatchStrOut, BatchTokenOut, ProcessReady, ReqStrOut, ReqTokenOut
+from protocol.wire import FinishReason
+from server_args import ServerArgs
+
+# Emoji (with ZWJ sequences and flags), CJK, accents and Greek: all split across BPE tokens.
+TEXTS = [
+    "Hello 👋 world! 你好，世界 café naïve 🇯🇵 👩‍👩‍👧 Ωμέγα",
+    "日本語のテキストと絵文字🎉🎉 mixed with ASCII, ñ, ß and ø.",
+    "   leading spaces, tabs\t and\nnew lines 🧪\n\n",
+]
+LENGTH = FinishReason(type="length")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def token_out(
+    rid: str,
+    ids: list[int],
+    finished: FinishReason | None = None,
+    skip_special_tokens: bool = True,
+) -> ReqTokenOut:
+    return ReqTokenOut(
+        rid=rid,
+        new_token_ids=ids,
+        finished_reason=finished,
+        prompt_tokens=3,
+        completion_tokens=len(ids),
+        cached_tokens=0,
+        skip_special_tokens=skip_special_tokens,
+    )
+
+
+def chunks(ids: list[int], sizes: Iterator[int]) -> list[list[int]]:
+    out, start = [], 0
+    while start < len(ids):
+        size = max(1, next(sizes))
+        out.append(ids[start : start + size])
+        start += size
+    return out
+
+
+def stream(
+    detok: IncrementalDetokenizer,
+    rid: str,
+    pieces: list[list[int]],
+    finish: FinishReason = LENGTH,
+    **kw,
+) -> list[str]:
+    """Feed pieces as successive steps; the last one finishes the request."""
+    texts = []
+    for i, piece in enumerate(pieces):
+        finished = finish if i == len(pieces) - 1 else None
+        (out,) = detok.step([token_out(rid, piece, finished, **kw)])
+        assert out.rid == rid and out.new_token_ids == piece
+        texts.append(out.text)
+    return texts
+
+
+def test_texts_split_inside_characters(tokenizer):
+    """Guards the other tests' premise: single tokens of these texts decode to half characters."""
+    ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    assert any(REPLACEMENT_CHAR in tokenizer.decode([i]) for i in ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_one_token_at_a_time_never_emits_half_a_character(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = stream(detok, "r", [[i] for i in ids])
+    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert len(detok) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    text_index=st.integers(0, len(TEXTS) - 1),
+    sizes=st.lists(st.integers(1, 7), min_size=1, max_size=60),
+)
+def test_any_chunking_gives_the_same_text(tokenizer, text_index, sizes):
+    ids = tokenizer.encode(TEXTS[text_index], add_special_tokens=False)
+    pieces = stream(IncrementalDetokenizer(tokenizer), "r", chunks(ids, iter(sizes * len(ids))))
+    assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(min_size=1, max_size=40), seed=st.integers(0, 2**16))
+def test_random_unicode_streams_to_the_whole_decode(tokenizer, text, seed):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rng = random.Random(seed)
+    sizes = iter(lambda: rng.randint(1, 4), None)
+    pieces = stream(IncrementalDetokenizer(tokenizer), "r", chunks(ids, sizes))
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_leading_spaces_come_from_the_previous_token():
+    """A SentencePiece-style decoder drops the first token's "▁": a lone "▁world" is "world"."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert tokenizer.decode([2]) == "world"
+    pieces = stream(IncrementalDetokenizer(tokenizer), "r", [[1], [2], [3], [2]])
+    assert pieces == ["Hello", " world", "!", " world"]
+
+
+def test_all_at_once_equals_one_at_a_time(tokenizer):
+    ids = tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    (whole,) = detok.step([token_out("r", ids, LENGTH)])
+    assert whole.text == "".join(stream(detok, "s", [[i] for i in ids]))
+
+
+def test_skip_special_tokens(tokenizer):
+    ids = tokenizer.encode("<|im_start|>assistant\nHi 🎉<|im_end|>", add_special_tokens=False)
+    assert tokenizer.eos_token_id in ids
+    shown = "".join(stream(IncrementalDetokenizer(tokenizer), "r", [[i] for i in ids]))
+    assert shown == "assistant\nHi 🎉"
+    detok = IncrementalDetokenizer(tokenizer)
+    raw = stream(detok, "r", [[i] for i in ids], skip_special_tokens=False)
+    assert "".join(raw) == "<|im_start|>assistant\nHi 🎉<|im_end|>"
+
+
+def test_interleaved_requests_in_one_batch(tokenizer):
+    ids = {f"r{k}": tokenizer.encode(t, add_special_tokens=False) for k, t in enumerate(TEXTS)}
+    sent = dict.fromkeys(ids, 0)
+    texts = dict.fromkeys(ids, "")
+    detok = IncrementalDetokenizer(tokenizer)
+    rng = random.Random(0)
+    while sent:
+        batch = []
+        for rid in list(sent):
+            end = min(len(ids[rid]), sent[rid] + rng.randint(1, 3))
+            finished = LENGTH if end == len(ids[rid]) else None
+            batch.append(token_out(rid, ids[rid][sent[rid] : end], finished))
+            sent[rid] = end
+            if finished:
+                del sent[rid]
+        outs = detok.step(batch)
+        assert [o.rid for o in outs] == [t.rid for t in batch]
+        for out in outs:
+            assert REPLACEMENT_CHAR not in out.text
+            texts[out.rid] += out.text
+        assert len(detok) == len(sent)  # a finished request leaves no state behind
+    assert texts == {rid: tokenizer.decode(i) for rid, i in ids.items()}
+
+
+def test_finish_flushes_half_a_character(tokenizer):
+    ids = tokenizer.encode("ok 🎉", add_special_tokens=False)[:-1]  # cut inside the emoji
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = stream(detok, "r", [[i] for i in ids])
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert pieces[-1].endswith(REPLACEMENT_CHAR)
+    assert len(detok) == 0
+
+
+def test_counters_and_reason_pass_through(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer)
+    reason = FinishReason(type="abort")
+    (out,) = detok.step([token_out("r", [], reason)])
+    assert out == ReqStrOut("r", "", [], reason, 3, 0, 0)
+    assert len(detok) == 0
+
+
+def test_matched_stop_string_is_trimmed(tokenizer):
+    ids = tokenizer.encode("Answer: 42.\n\nNext", add_special_tokens=False)
+    stop = FinishReason(type="stop", matched="\n\n")
+    detok = IncrementalDetokenizer(tokenizer)
+    # Whatever the last token decoded to after the stop string goes too.
+    (whole,) = detok.step([token_out("r", ids, stop)])
+    assert whole.text == "Answer: 42."
+
+    # "\n\n" is two tokens: streamed one by one, the first "\n" went out before the second
+    # completed the match, so only the second can be cut.
+    end = ids.index(198) + 2
+    pieces = stream(detok, "s", [[i] for i in ids[:end]], stop)
+    assert pieces[-1] == ""
+    assert "".join(pieces) == "Answer: 42.\n"
+    assert len(detok) == 0
+
+
+def test_matched_stop_token_is_not_shown(tokenizer):
+    ids = tokenizer.encode("Hi there.", add_special_tokens=False)
+    (out,) = IncrementalDetokenizer(tokenizer).step(
+        [token_out("r", ids, FinishReason(type="stop", matched=ids[-1]))]
+    )
+    assert out.text == "Hi there"
+    assert out.new_token_ids == ids
+
+
+def test_detokenizer_process_over_ipc(model_dir, tokenizer):
+    ipc_dir = tempfile.mkdtemp(prefix="rs-detok-")  # 0700, short enough for a socket path
+    ctx = zmq.Context()
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_detokenizer_process, args=(ServerArgs(), model_dir, ipc_dir, writer)
+    )
+    try:
+        assert os.stat(ipc_dir).st_mode & 0o777 == 0o700
+        results = transport.bind_pull(ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT)
+        proc.start()
+        writer.close()
+        assert reader.poll(60), "the detokenizer never reported ready"
+        ready = msgspec.msgpack.decode(reader.recv_bytes(), type=ProcessReady)
+        assert ready.name == "detokenizer"
+
+        codec = transport.Codec(BatchStrOut)
+        push = transport.connect_push(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
+        ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+        first = [token_out("a", ids[:2]), token_out("b", ids, LENGTH)]
+        push.send(codec.encode(BatchTokenOut(outs=first)))
+        push.send(codec.encode(BatchTokenOut(outs=[token_out("a", ids[2:], LENGTH)])))
+        replies = []
+        for _ in range(2):
+            assert results.poll(10_000), "no BatchStrOut from the detokenizer"
+            replies.append(codec.decode(results.recv()))
+        # ids[:2] is "Hello" and a third of an emoji: held back until the rest comes.
+        assert [(o.rid, o.text) for o in replies[0].outs] == [("a", ""), ("b", TEXTS[0])]
+        assert [(o.rid, o.text) for o in replies[1].outs] == [("a", TEXTS[0])]
+
+        proc.terminate()
+        proc.join(5)
+        assert proc.exitcode == -signal.SIGTERM, "the detokenizer did not end on SIGTERM"
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        ctx.destroy(linger=0)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
