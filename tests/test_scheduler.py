@@ -26,7 +26,8 @@ def make_scheduler(pool=4096, running=64, budget=512, chunk=256, context=2048) -
 
 
 def gen(rid: str, prompt: list[int], max_new: int, **params) -> TokenizedGenerateReq:
-    sp = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True, **params)
+    params = {"temperature": 0, "ignore_eos": True, **params}
+    sp = SamplingParams(max_new_tokens=max_new, **params)
     return TokenizedGenerateReq(rid, prompt, sp, stream=True)
 
 
