@@ -134,8 +134,8 @@ class Scheduler:
         return batch
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        plan, retracted = self._plan_running()
-        if not retracted:
+        plan, num_decodes, retracted = self._plan_running()
+        if self.waiting and not retracted:
             plan += self._admit_waiting(sum(n for _, n in plan))
         if not plan:
             return None
@@ -147,7 +147,7 @@ class Scheduler:
             prefix_lens=[r.num_computed_tokens for r in reqs],
             extend_lens=[n for _, n in plan],
             out_cache_loc=out_cache_loc,
-            num_decodes=sum(r.is_decoding for r in reqs),
+            num_decodes=num_decodes,
         )
 
     def run_batch(self, batch: ScheduleBatch) -> list[int]:
@@ -183,20 +183,30 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------------------
 
-    def _plan_running(self) -> tuple[list[tuple[Req, int]], bool]:
-        """Tokens each running request computes this step, decodes first. Retracts requests until
-        the plan's KV fits; returns the plan and whether anything was retracted."""
+    def _plan_running(self) -> tuple[list[tuple[Req, int]], int, bool]:
+        """Tokens each running request computes this step: decodes 1 each, then prefill chunks
+        in the budget left. Retracts requests until the plan's KV fits. Returns the plan, how
+        many of it are decodes, and whether anything was retracted."""
         retracted = False
         while True:
-            budget = self.config.max_prefill_tokens
             plan: list[tuple[Req, int]] = []
-            for req in sorted(self.running, key=lambda r: r.num_uncomputed_tokens):
-                n = min(req.num_uncomputed_tokens, self.config.chunked_prefill_size, budget)
+            prefilling: list[tuple[Req, int]] = []
+            num_decodes = 0
+            for req in self.running:
+                n = req.num_uncomputed_tokens
+                if n == 1:
+                    plan.append((req, 1))
+                    num_decodes += bool(req.output_ids)
+                else:
+                    prefilling.append((req, n))
+            budget = self.config.max_prefill_tokens - len(plan)
+            for req, n in prefilling:
+                n = min(n, self.config.chunked_prefill_size, budget)
                 if n > 0:
                     plan.append((req, n))
                     budget -= n
-            if sum(n for _, n in plan) <= self.allocator.num_free:
-                return plan, retracted
+            if self.config.max_prefill_tokens - budget <= self.allocator.num_free:
+                return plan, num_decodes, retracted
             self._retract_one()
             retracted = True
 
