@@ -13,7 +13,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: int = 30000
-    dtype: str = "auto"  # auto: bfloat16 on CPU, the checkpoint's dtype on GPU
+    dtype: str = "auto"  # auto: float32 on CPUs without native bf16, the checkpoint's on GPU
     device: str = "auto"  # auto: cuda when available, else cpu
     context_length: int | None = None  # default: the model's max_position_embeddings
     max_total_tokens: int | None = None  # KV pool size in tokens; default from memory
@@ -21,7 +21,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_running_requests: int | None = None
     max_prefill_tokens: int = 16384  # token budget of one step
     chunked_prefill_size: int = 2048  # longest prompt piece computed in one step; -1: no chunking
-    page_size: int = 1
+    page_size: int = 1  # radix cache granularity: prefixes are matched in whole pages
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     random_seed: int = 0
     torch_threads: int | None = None  # model process threads; default: all cores
     log_interval: int = 40  # decode steps between two log lines
@@ -41,6 +43,7 @@ _HELP = {
     "max_total_tokens": "KV cache size in tokens",
     "max_prefill_tokens": "token budget of one scheduler step",
     "chunked_prefill_size": "longest prompt chunk prefilled in one step (-1: no chunking)",
+    "schedule_policy": "fcfs | lpm (longest prefix match first)",
 }
 
 

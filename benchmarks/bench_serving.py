@@ -59,7 +59,10 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-async def _run_load(address: str, prompts: list[list[int]], output_len: int) -> RunResult:
+async def run_load(
+    address: str, prompts: list[list[int]], output_len: int, name: str = "radixserve"
+) -> RunResult:
+    """Send every prompt at once, streaming; time each request's chunks."""
     params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
 
     async def one(c: AsyncClient, ids: list[int]) -> RequestTiming:
@@ -74,7 +77,7 @@ async def _run_load(address: str, prompts: list[list[int]], output_len: int) -> 
         timings = await asyncio.gather(*(one(c, ids) for ids in prompts))
         duration = time.perf_counter() - start
     return RunResult(
-        name="radixserve",
+        name=name,
         duration=duration,
         output_tokens=sum(t.tokens for t in timings),
         ttfts=[t.ttft for t in timings],
@@ -85,7 +88,7 @@ async def _run_load(address: str, prompts: list[list[int]], output_len: int) -> 
 def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> RunResult:
     server_args = ["--model", args.model, "--dtype", args.dtype, *args.server_args.split()]
     with launched_server(*server_args) as server:
-        return asyncio.run(_run_load(server.address, prompts, args.output_len))
+        return asyncio.run(run_load(server.address, prompts, args.output_len))
 
 
 def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> RunResult:
@@ -128,8 +131,9 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> RunR
     return RunResult("transformers generate", time.perf_counter() - start, tokens, ttfts, itls)
 
 
-def print_table(rows: list[list[str]]) -> None:
-    header = ["engine", "output tok/s", "TTFT p50 (s)", "TTFT p99 (s)", "ITL mean (ms)", "total (s)"]
+def print_table(rows: list[list[str]], extra: list[str] = ()) -> None:
+    header = ["run", "output tok/s", "TTFT p50 (s)", "TTFT p99 (s)", "ITL mean (ms)", "total (s)",
+              *extra]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, ["-" * w for w in widths], *rows]:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")

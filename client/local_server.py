@@ -35,9 +35,20 @@ class LaunchedServer:
         return self.log_path.read_text(errors="replace")
 
     def children(self) -> list[int]:
-        """pids of the processes launch.py started, as the kernel knows them now."""
+        """pids of launch.py's child processes now (multiprocessing's resource tracker too)."""
         path = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
         return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+    def server_processes(self) -> list[int]:
+        """The children that are server processes (spawned by multiprocessing)."""
+        return [pid for pid in self.children() if b"spawn_main" in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @contextmanager

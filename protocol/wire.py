@@ -170,6 +170,8 @@ class ServerInfoReply(_Reply, tag="server_info"):
     num_steps: int
     num_mixed_steps: int  # steps whose one forward held both prefill and decode work
     num_retractions: int
+    num_evicted_tokens: int
+    num_prefill_tokens: int  # prompt tokens computed (cache hits are not)
     max_running_requests: int
 
 

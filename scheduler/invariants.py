@@ -32,6 +32,8 @@ def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
     for req in s.waiting:
         _require(not req.finished, f"finished request {req.rid} still waiting")
         _require(req.req_pool_idx is None, f"waiting request {req.rid} holds a row")
+        _require(req.last_node is None and req.num_computed_tokens == 0,
+                 f"waiting request {req.rid} holds KV")
     for req in s.running:
         _require(not req.finished, f"finished request {req.rid} still running")
         _require(req.req_pool_idx is not None, f"running request {req.rid} holds no row")
@@ -42,11 +44,17 @@ def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
             "a request computed more than a chunk in one step",
         )
 
-    # Every KV slot is exactly one of: free, or owned by one running request.
-    owned = [s.req_to_token_pool.req_to_token[r.req_pool_idx, : r.num_computed_tokens] for r in s.running]
-    every = torch.cat([s.allocator.free_slots(), *owned])
-    _require(every.numel() == cfg.max_total_tokens, f"{every.numel()} slots accounted for, "
-             f"{cfg.max_total_tokens} exist: a slot leaked or is owned twice")
+    # Every KV slot is exactly one of: free, owned by the tree, or owned by one running request.
+    tree = s.tree_cache
+    pool = s.req_to_token_pool.req_to_token
+    owned = [pool[r.req_pool_idx, r.prefix_len : r.num_computed_tokens] for r in s.running]
+    tree_slots = [tree.all_slots()] if tree is not None else []
+    every = torch.cat([s.allocator.free_slots(), *tree_slots, *owned])
+    _require(
+        every.numel() == cfg.max_total_tokens,
+        f"{every.numel()} slots accounted for, {cfg.max_total_tokens} exist: a slot leaked or is "
+        "owned twice",
+    )
     _require(
         torch.equal(torch.sort(every).values, torch.arange(1, cfg.max_total_tokens + 1)),
         "a KV slot is owned twice, or slot 0 was handed out",
@@ -56,3 +64,14 @@ def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
         s.req_to_token_pool.num_free + len(rows) == cfg.max_running_requests,
         "a request row leaked",
     )
+    if tree is not None:
+        _require(
+            tree.evictable_size + tree.protected_size == tree.total_size,
+            "the tree's evictable and protected sizes do not add up",
+        )
+        for req in s.running:
+            node = req.last_node
+            _require(node is not None and (node is tree.root or node.lock_ref > 0),
+                     f"running request {req.rid} does not lock its prefix")
+    if not s.has_unfinished():
+        _require(s.available_kv == cfg.max_total_tokens, "idle, yet some KV is not reusable")

@@ -9,7 +9,7 @@ import msgspec
 import torch
 import zmq
 
-from model_worker.model_config import resolve_dtype
+from model_worker.model_config import ModelConfig, resolve_dtype
 from model_worker.model_runner import ModelRunner
 from model_worker.parallel import TPGroup
 from protocol import transport
@@ -41,9 +41,10 @@ def resolve_device(arg: str) -> torch.device:
 
 def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
     device = resolve_device(args.device)
+    checkpoint_dtype = ModelConfig.from_dir(model_path).dtype
     runner = ModelRunner(
         model_path,
-        dtype=resolve_dtype(args.dtype, device),
+        dtype=resolve_dtype(args.dtype, device, checkpoint_dtype=checkpoint_dtype),
         device=device,
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
@@ -65,6 +66,9 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
         eos_token_ids=frozenset(model.eos_token_ids),
         log_interval=args.log_interval,
         check_invariants=args.check_invariants,
+        enable_radix_cache=not args.disable_radix_cache,
+        page_size=args.page_size,
+        schedule_policy=args.schedule_policy,
     )
     logger.info(
         "Model %s on %s, dtype %s. max_total_tokens=%d, max_running_requests=%d, "
@@ -120,9 +124,9 @@ class SchedulerProcess:
             case ServerInfoReq(query_id=qid):
                 self._reply(ServerInfoOut(qid, scheduler.server_info()))
             case FlushCacheReq(query_id=qid):
-                busy = scheduler.has_unfinished()
-                message = "requests are running; retry when idle" if busy else ""
-                self._reply(FlushCacheOut(qid, not busy, message))
+                ok = scheduler.flush_cache()
+                message = "" if ok else "requests are running; retry when idle"
+                self._reply(FlushCacheOut(qid, ok, message))
             case HealthReq(query_id=qid):
                 self._reply(HealthOut(qid))
 

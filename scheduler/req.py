@@ -4,8 +4,11 @@ The vLLM v1 view: a request is `num_computed_tokens` (tokens whose KV is in the 
 `num_tokens` (prompt + outputs so far). Far behind = prefill (maybe in chunks); one behind = decode.
 
     tokens:   [ prompt ........................ | outputs ...... ]
-    KV:       [ computed ............... ]      ^ num_tokens
-                                         ^ num_computed_tokens
+    KV:       [ tree's prefix | own ....... ]        ^ num_tokens
+                              ^ prefix_len  ^ num_computed_tokens
+
+The first `prefix_len` slots of its row belong to the radix tree (locked through `last_node` while
+the request runs); the rest, up to `num_computed_tokens`, are the request's own.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol.wire import FinishReason, SamplingParams
+from scheduler.radix_cache import TreeNode
 
 
 @dataclass(slots=True, eq=False)
@@ -26,6 +30,8 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     req_pool_idx: int | None = None  # row in ReqToTokenPool while it holds KV
+    prefix_len: int = 0  # leading tokens whose KV slots the radix tree owns
+    last_node: TreeNode | None = None  # the tree node ending at prefix_len, locked while running
     finished_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # outputs already handed to the detokenizer
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -22,6 +22,7 @@ from protocol.wire import FinishReason, ServerInfoReply
 from scheduler.invariants import check_invariants
 from scheduler.memory_pool import ReqToTokenPool, TokenSlotAllocator
 from scheduler.prefill_adder import NewTokenRatio, PrefillAdder, reserved_tokens
+from scheduler.radix_cache import RadixCache, common_prefix_len
 from scheduler.req import Req
 from scheduler.schedule_batch import ScheduleBatch
 
@@ -29,6 +30,11 @@ logger = logging.getLogger("radixserve.scheduler")
 
 # After a retraction, assume each running request still needs this many decode steps (SGLang).
 RETRACT_DECODE_STEPS = 20
+# Past this many waiting requests, lpm's prefix matching costs more than it saves (SGLang).
+LPM_MAX_QUEUE = 128
+# A waiting request that shares this many uncached tokens with one admitted in the same step
+# waits a step: then it finds them in the tree instead of computing them a second time.
+IN_BATCH_SHARED_PREFIX = 32
 
 
 class ModelWorker(Protocol):
@@ -47,6 +53,9 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int]
     log_interval: int = 40
     check_invariants: bool = False
+    enable_radix_cache: bool = True
+    page_size: int = 1
+    schedule_policy: str = "fcfs"  # or "lpm": longest prefix match first
 
 
 @dataclass(slots=True)
@@ -54,6 +63,8 @@ class SchedulerStats:
     num_steps: int = 0
     num_mixed_steps: int = 0
     num_retractions: int = 0
+    num_evicted_tokens: int = 0
+    num_prefill_tokens: int = 0  # tokens computed for prompts (and recomputes), not decodes
     num_decode_steps: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -68,6 +79,9 @@ class Scheduler:
         self.worker = worker
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.context_len)
         self.allocator = TokenSlotAllocator(config.max_total_tokens)
+        self.tree_cache = (
+            RadixCache(self.allocator, config.page_size) if config.enable_radix_cache else None
+        )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = NewTokenRatio()
@@ -139,7 +153,7 @@ class Scheduler:
             plan += self._admit_waiting(sum(n for _, n in plan))
         if not plan:
             return None
-        out_cache_loc = self.allocator.alloc(sum(n for _, n in plan))
+        out_cache_loc = self._alloc(sum(n for _, n in plan))
         assert out_cache_loc is not None, "planning left too few free KV slots"
         reqs = [r for r, _ in plan]
         return ScheduleBatch(
@@ -158,12 +172,14 @@ class Scheduler:
         stats = self.stats
         stats.num_steps += 1
         stats.num_mixed_steps += batch.is_mixed
+        stats.num_prefill_tokens += batch.num_tokens - batch.num_decodes
         for req, prefix, extend, token in zip(
             batch.reqs, batch.prefix_lens, batch.extend_lens, next_token_ids
         ):
             req.num_computed_tokens = prefix + extend
             if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: its sampled token predicts nothing yet
+                self._cache_unfinished(req)  # a prefill chunk: later requests may share it
+                continue  # its sampled token predicts nothing yet
             req.output_ids.append(token)
             stats.gen_tokens_since_log += 1
             req.check_finished(self.config.context_len)
@@ -171,7 +187,10 @@ class Scheduler:
                 self.running.remove(req)
                 self._release(req)
                 self._emit(req)
-            elif req.stream:
+                continue
+            if extend > 1:
+                self._cache_unfinished(req)  # a fresh prompt: concurrent requests may share it
+            if req.stream:
                 self._emit(req)
         if batch.num_decodes:
             stats.num_decode_steps += 1
@@ -205,7 +224,7 @@ class Scheduler:
                 if n > 0:
                     plan.append((req, n))
                     budget -= n
-            if self.config.max_prefill_tokens - budget <= self.allocator.num_free:
+            if self.config.max_prefill_tokens - budget <= self.available_kv:
                 return plan, num_decodes, retracted
             self._retract_one()
             retracted = True
@@ -229,37 +248,141 @@ class Scheduler:
         )
 
     def _admit_waiting(self, running_tokens: int) -> list[tuple[Req, int]]:
+        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
+            self._sort_waiting_by_prefix_match()
         ratio = self.new_token_ratio.value
         reserve = sum(reserved_tokens(r, ratio) for r in self.running)
         adder = PrefillAdder(
             token_budget=self.config.max_prefill_tokens - running_tokens,
             chunk_size=self.config.chunked_prefill_size,
-            free_kv=self.allocator.num_free - reserve,
+            free_kv=self.available_kv - reserve,
             running_slots=self.config.max_running_requests - len(self.running),
             ratio=ratio,
         )
         admitted: list[tuple[Req, int]] = []
         while self.waiting:
-            n = adder.try_add(self.waiting[0])
-            if n == 0:
+            req = self.waiting[0]
+            evictable = self.tree_cache.evictable_size if self.tree_cache else 0
+            prefix_slots = self._attach_prefix(req)
+            if self._shares_uncached_prefix(req, admitted):
+                self._detach_prefix(req)
                 break
-            req = self.waiting.popleft()
-            req.req_pool_idx = self.req_to_token_pool.alloc()
+            # The matched prefix is locked now: it no longer counts as evictable.
+            adder.free_kv -= evictable - (self.tree_cache.evictable_size if self.tree_cache else 0)
+            n = adder.try_add(req)
+            if n == 0:
+                self._detach_prefix(req)
+                break
+            self.waiting.popleft()
+            req.req_pool_idx = row = self.req_to_token_pool.alloc()
+            self.req_to_token_pool.req_to_token[row, : req.prefix_len] = prefix_slots
             self.running.append(req)
             admitted.append((req, n))
+            cached_prompt = min(req.prefix_len, len(req.origin_input_ids))
+            req.cached_tokens = max(req.cached_tokens, cached_prompt)
+            self.stats.cached_tokens += cached_prompt
         return admitted
+
+    def _shares_uncached_prefix(self, req: Req, admitted: list[tuple[Req, int]]) -> bool:
+        if self.tree_cache is None or not admitted:
+            return False
+        tokens = req.token_slice(0, req.num_tokens)
+        return any(
+            common_prefix_len(tokens, other.token_slice(0, other.num_tokens), 1)
+            >= req.prefix_len + IN_BATCH_SHARED_PREFIX
+            for other, _ in admitted
+        )
+
+    def _sort_waiting_by_prefix_match(self) -> None:
+        tree = self.tree_cache
+        if tree is None:
+            return
+        matched = {
+            id(r): len(tree.match_prefix(r.token_slice(0, r.num_tokens)).slots)
+            for r in self.waiting
+        }
+        self.waiting = deque(sorted(self.waiting, key=lambda r: -matched[id(r)]))
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    #
+    #   row of a running request:  [ tree's slots : prefix_len | own slots : num_computed_tokens ]
+    #   Caching inserts tokens [0, num_computed) into the tree. Of the request's own slots, those
+    #   the tree already had (someone else computed the same tokens) are duplicates and are freed;
+    #   the others now belong to the tree.
+
+    def _attach_prefix(self, req: Req) -> torch.Tensor:
+        """Start a waiting request from its longest cached prefix, locked in the tree; returns
+        the prefix's KV slots."""
+        tree = self.tree_cache
+        if tree is None:
+            return torch.empty(0, dtype=torch.int64)
+        match = tree.match_prefix(req.token_slice(0, req.num_tokens))
+        tree.inc_lock_ref(match.last_node)
+        req.last_node, req.prefix_len = match.last_node, len(match.slots)
+        req.num_computed_tokens = req.prefix_len
+        return match.slots
+
+    def _detach_prefix(self, req: Req) -> None:
+        if req.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_len, req.num_computed_tokens = None, 0, 0
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """Insert a request's computed tokens mid-prefill, and point its row at the tree's slots."""
+        tree = self.tree_cache
+        if tree is None:
+            return
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        n = req.num_computed_tokens
+        self._insert_and_free_duplicates(req, row, n)
+        # match_prefix leaves one token uncomputed: give it one token more than is cached.
+        match = tree.match_prefix(req.token_slice(0, n + 1))
+        row[: len(match.slots)] = match.slots
+        tree.inc_lock_ref(match.last_node)
+        tree.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_len = match.last_node, len(match.slots)
+
+    def _insert_and_free_duplicates(self, req: Req, row: torch.Tensor, n: int) -> int:
+        """Insert tokens [0, n); returns how many the tree now holds (whole pages)."""
+        slots = row[:n].clone()
+        already = self.tree_cache.insert(req.token_slice(0, n), slots)
+        self.allocator.free(slots[req.prefix_len : already])
+        return n // self.config.page_size * self.config.page_size
+
+    @property
+    def available_kv(self) -> int:
+        """Slots an allocation can get: free ones, plus those eviction can take from the tree."""
+        return self.allocator.num_free + (self.tree_cache.evictable_size if self.tree_cache else 0)
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        if self.tree_cache is not None and self.allocator.num_free < n:
+            self.stats.num_evicted_tokens += self.tree_cache.evict(n - self.allocator.num_free)
+        return self.allocator.alloc(n)
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; only when nothing runs, since running requests lock it."""
+        if self.has_unfinished():
+            return False
+        if self.tree_cache is not None:
+            self.tree_cache.reset()
+        return True
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 
     def _release(self, req: Req) -> None:
-        """Give back the request's KV slots and row; its computed tokens must be recomputed."""
+        """The request stops holding KV (finished, aborted or retracted): its computed tokens go
+        to the prefix cache, or back to the allocator without one."""
         if req.req_pool_idx is None:
             return
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.num_computed_tokens]
-        self.allocator.free(slots.clone())
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        n = req.num_computed_tokens
+        kept = 0
+        if self.tree_cache is not None:
+            kept = self._insert_and_free_duplicates(req, row, n)
+            self.tree_cache.dec_lock_ref(req.last_node)
+        self.allocator.free(row[kept:n].clone())  # what the tree did not take
         self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.num_computed_tokens = 0
+        req.req_pool_idx, req.last_node, req.prefix_len, req.num_computed_tokens = None, None, 0, 0
 
     def _emit(self, req: Req) -> None:
         new_ids = req.output_ids[req.num_sent_tokens :]
@@ -278,7 +401,8 @@ class Scheduler:
 
     @property
     def kv_tokens_used(self) -> int:
-        return self.config.max_total_tokens - self.allocator.num_free
+        """Slots held by running requests; the prefix cache's evictable part counts as free."""
+        return self.config.max_total_tokens - self.available_kv
 
     def server_info(self) -> ServerInfoReply:
         stats = self.stats
@@ -292,6 +416,8 @@ class Scheduler:
             num_steps=stats.num_steps,
             num_mixed_steps=stats.num_mixed_steps,
             num_retractions=stats.num_retractions,
+            num_evicted_tokens=stats.num_evicted_tokens,
+            num_prefill_tokens=stats.num_prefill_tokens,
             max_running_requests=self.config.max_running_requests,
         )
 

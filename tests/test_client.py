@@ -53,6 +53,8 @@ SERVER_INFO = ServerInfoReply(
     num_steps=7,
     num_mixed_steps=1,
     num_retractions=0,
+    num_evicted_tokens=0,
+    num_prefill_tokens=0,
     max_running_requests=8,
 )
 MODEL_INFO = ModelInfoReply(

@@ -12,7 +12,9 @@ from protocol.wire import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
 
-def make_scheduler(pool=4096, running=64, budget=512, chunk=256, context=2048) -> Scheduler:
+def make_scheduler(
+    pool=4096, running=64, budget=512, chunk=256, context=2048, **options
+) -> Scheduler:
     config = SchedulerConfig(
         max_total_tokens=pool,
         max_running_requests=running,
@@ -21,6 +23,7 @@ def make_scheduler(pool=4096, running=64, budget=512, chunk=256, context=2048) -
         context_len=context,
         eos_token_ids=frozenset({EOS}),
         check_invariants=True,
+        **options,
     )
     return Scheduler(config, FakeModelWorker(pool))
 
@@ -60,7 +63,7 @@ def test_single_request_matches_reference():
     assert tokens_of(outs) == reference_tokens(p, 20)
     assert outs[-1].finished_reason.type == "length"
     assert sum(o.finished_reason is not None for o in outs) == 1
-    assert s.allocator.num_free == s.config.max_total_tokens
+    assert s.available_kv == s.config.max_total_tokens
 
 
 def test_concurrent_requests_mix_prefill_and_decode():
@@ -145,7 +148,7 @@ def test_abort_frees_everything(when):
     assert outs["x"][-1].finished_reason.type == "abort"
     assert sum(o.finished_reason is not None for o in outs["x"]) == 1
     assert tokens_of(outs["keep"]) == reference_tokens(list(range(1, 20)), 30)
-    assert s.allocator.num_free == s.config.max_total_tokens
+    assert s.available_kv == s.config.max_total_tokens
 
 
 def test_stop_token_ends_request_unless_ignore_eos():

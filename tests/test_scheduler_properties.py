@@ -58,7 +58,7 @@ def test_random_workloads_keep_every_invariant(requests, pool, running, chunk, b
         if step > 31 and not s.has_unfinished():
             break
     assert not s.has_unfinished(), "did not drain: deadlock or livelock"
-    assert s.allocator.num_free == pool and s.req_to_token_pool.num_free == s.config.max_running_requests
+    assert s.available_kv == pool and s.req_to_token_pool.num_free == s.config.max_running_requests
 
     for i, r in enumerate(requests):
         rid = f"r{i}"

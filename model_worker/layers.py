@@ -1,0 +1,217 @@
+"""Building blocks of a decoder: norms, RoPE, and linear layers that know their TP shard.
+
+Every layer with weights is a `LoadableModule`: the loader hands it a whole checkpoint tensor and
+the layer copies in the part this rank holds. Parameters start uninitialised (torch.empty); the
+loader fails if any of them is never written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_worker.model_config import RopeConfig
+from model_worker.parallel import TPGroup
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class LoadableModule(nn.Module):
+    # A layer fusing several checkpoint tensors (q/k/v, gate/up) into one parameter has a piece
+    # for each of them.
+    num_pieces: int = 1
+
+    def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
+        """Copy the checkpoint tensor `loaded` into parameter `name` (replicated by default)."""
+        param = getattr(self, name)
+        _check_shape(param.shape, loaded.shape)
+        param.copy_(loaded)
+
+
+def _check_shape(expected: Sequence[int], got: Sequence[int]) -> None:
+    if tuple(expected) != tuple(got):
+        raise ValueError(f"shape {tuple(got)} does not fit {tuple(expected)}")
+
+
+class RMSNorm(LoadableModule):
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The variance is taken in float32 whatever the model dtype, as the reference models do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Neox-style RoPE (Llama, Qwen): rotates the two halves of each head."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, device: torch.device):
+        self.inv_freq = _inv_freq(head_dim, rope).to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin [T, 1, head_dim / 2] for the batch's positions, once per forward.
+
+        Computed per forward rather than cached for every position: it costs T * head_dim / 2
+        multiplies shared by all layers, and a max_position_embeddings cache can be 64 MB.
+        """
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by the angles of its token's position."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band between
+    # the two cut-offs interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class ColumnParallelLinear(LoadableModule):
+    """y = x W^T + b, W's output rows split over ranks; no communication.
+
+    `output_sizes` fuses several projections (q/k/v, or gate/up) into one matmul. Each piece is
+    split on its own, so a rank holds its share of every piece, back to back.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.num_pieces = len(output_sizes)
+        self.output_sizes = tuple(output_sizes)
+        self.local_sizes = tuple(tp.shard(n, "output size")[1] for n in output_sizes)
+        self.tp = tp
+        local_out = sum(self.local_sizes)
+        self.weight = _param(local_out, input_size, dtype=dtype, device=device)
+        self.bias = _param(local_out, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
+        param = getattr(self, name)
+        _check_shape((self.output_sizes[piece], *param.shape[1:]), loaded.shape)
+        length = self.local_sizes[piece]
+        offset = sum(self.local_sizes[:piece])
+        start = self.tp.rank * length
+        param[offset : offset + length].copy_(loaded[start : start + length])
+
+
+class RowParallelLinear(LoadableModule):
+    """y = x W^T + b, W's input columns split over ranks; the partial products are summed."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        _, local_in = tp.shard(input_size, "input size")
+        self.weight = _param(output_size, local_in, dtype=dtype, device=device)
+        self.bias = _param(output_size, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        # Added after the sum, or every rank would add it once.
+        return y + self.bias if self.bias is not None else y
+
+    def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
+        if name == "bias":
+            super().load_weight(name, loaded)
+            return
+        _check_shape((self.weight.shape[0], self.input_size), loaded.shape)
+        length = self.weight.shape[1]
+        start = self.tp.rank * length
+        self.weight.copy_(loaded[:, start : start + length])
+
+
+class VocabParallelEmbedding(LoadableModule):
+    """Rows of the vocabulary split over ranks; also the LM head, tied to the embedding or not.
+
+    Each rank holds ceil(vocab / tp) rows; rows past the vocabulary are zero and their logits are
+    dropped.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self.weight = _param(self.rows_per_rank, hidden_size, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.rows_per_rank)
+        out = F.embedding(local.masked_fill(~mine, 0), self.weight)
+        out.masked_fill_(~mine[:, None], 0)
+        return self.tp.all_reduce(out)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size], on every rank."""
+        logits = self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)
+        return logits[:, : self.vocab_size].float()
+
+    def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
+        _check_shape((self.vocab_size, self.weight.shape[1]), loaded.shape)
+        rows = loaded[self.vocab_start : self.vocab_start + self.rows_per_rank]
+        self.weight.zero_()
+        self.weight[: rows.shape[0]].copy_(rows)

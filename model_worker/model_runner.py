@@ -1,0 +1,117 @@
+"""ModelRunner: owns the model, its weights and the KV pool; runs one batch to its next tokens."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from model_worker.attention import create_attention_backend
+from model_worker.batch import ModelWorkerBatch
+from model_worker.forward_batch import ForwardBatch
+from model_worker.kv_pool import TokenToKVPool
+from model_worker.loader import load_weights
+from model_worker.model_config import ModelConfig
+from model_worker.models import get_model_class
+from model_worker.parallel import TPGroup
+from model_worker.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_MEMORY_FRACTION = 0.10  # of MemTotal: the CPU is shared with the other processes
+CPU_MAX_KV_TOKENS = 256 * 1024
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_total_tokens: int | None,
+        mem_fraction_static: float,
+        tp: TPGroup,
+        seed: int,
+        attention_backend: str = "torch_native",
+    ):
+        self.model_config = config = ModelConfig.from_dir(model_path)
+        self.device = device
+        self.dtype = dtype
+        _, num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
+        _, num_kv_heads = tp.shard(config.num_key_value_heads, "num_key_value_heads")
+        self.attn_backend = create_attention_backend(attention_backend, num_heads, num_kv_heads)
+        self.model = get_model_class(config.architecture)(
+            config, tp=tp, attn_backend=self.attn_backend, dtype=dtype, device=device
+        )
+        load_weights(self.model, model_path)
+
+        kv_slot_bytes = TokenToKVPool.bytes_per_slot(
+            config.num_hidden_layers, num_kv_heads, config.head_dim, dtype
+        )
+        if max_total_tokens is None:
+            max_total_tokens = self._kv_tokens_that_fit(kv_slot_bytes, mem_fraction_static)
+        # Every rank must agree, or their schedulers would hand out different slots.
+        self.max_total_tokens = tp.min_int(max_total_tokens)
+        self.kv_pool = TokenToKVPool(
+            self.max_total_tokens + 1,  # slot 0 is the reserved padding slot
+            config.num_hidden_layers,
+            num_kv_heads,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        logger.info(
+            "Loaded %s (%s, %s, TP rank %d/%d): KV pool of %d tokens, %.2f GB",
+            config.architecture,
+            dtype,
+            device,
+            tp.rank,
+            tp.size,
+            self.max_total_tokens,
+            self.max_total_tokens * kv_slot_bytes / 1e9,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        """The next token of every sequence of the batch: int64 [B], on the CPU."""
+        logits = self.forward_logits(batch)
+        return sample(logits, batch.sampling, self.generator).cpu()
+
+    @torch.inference_mode()
+    def forward_logits(
+        self, batch: ModelWorkerBatch, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """float32 logits [N, vocab] of the packed token rows `rows` (default: each sequence's
+        last token). Writes the batch's K and V into the pool like `forward`."""
+        fb = ForwardBatch.from_worker_batch(batch, self.device, self.kv_pool)
+        self.attn_backend.init_forward_metadata(fb)
+        hidden = self.model(fb.input_ids, fb.positions, fb)
+        rows = fb.last_rows if rows is None else rows.to(self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _kv_tokens_that_fit(self, kv_slot_bytes: int, mem_fraction_static: float) -> int:
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            budget = total * mem_fraction_static - weights
+            tokens = int(budget // kv_slot_bytes)
+        else:
+            tokens = int(_mem_total_bytes() * CPU_KV_MEMORY_FRACTION // kv_slot_bytes)
+            tokens = min(tokens, CPU_MAX_KV_TOKENS)
+        if tokens < 1:
+            raise RuntimeError(
+                "no memory left for the KV cache after the weights: raise "
+                "--mem-fraction-static or set --max-total-tokens"
+            )
+        return tokens
+
+
+def _mem_total_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError("MemTotal not found in /proc/meminfo")

@@ -1,0 +1,30 @@
+"""CausalLM: what the model runner and the weight loader need from every model class."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from model_worker.forward_batch import ForwardBatch
+
+
+class CausalLM(nn.Module, ABC):
+    @abstractmethod
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden_size] of every token of the batch."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab_size] of the given rows only."""
+
+    @abstractmethod
+    def param_for_checkpoint_name(self, name: str) -> tuple[str, int] | None:
+        """Our parameter, and the piece of it, that a checkpoint tensor fills; None to skip it."""
+
+    @abstractmethod
+    def checkpoint_name(self, param: str, piece: int) -> str:
+        """The inverse of param_for_checkpoint_name, for error messages."""

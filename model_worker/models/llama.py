@@ -1,0 +1,220 @@
+"""Llama, and the two Qwen generations that differ from it only by flags in ModelConfig:
+q/k/v biases (Qwen2), an RMSNorm over each head of q and k (Qwen3), tied embeddings.
+
+q/k/v run as one matmul, and so do gate/up: fewer, larger matmuls are faster, on CPU most of all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_worker.attention import AttentionBackend
+from model_worker.forward_batch import ForwardBatch
+from model_worker.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+)
+from model_worker.model_config import ModelConfig
+from model_worker.models.base import CausalLM
+from model_worker.parallel import TPGroup
+
+# Checkpoint projections that live in one of our fused layers: name -> (fused name, piece).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        tp: TPGroup,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attn_backend = attn_backend
+        self.head_dim = config.head_dim
+        _, self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
+        _, self.num_kv_heads = tp.shard(config.num_key_value_heads, "num_key_value_heads")
+        q_size = config.num_attention_heads * config.head_dim
+        kv_size = config.num_key_value_heads * config.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            (q_size, kv_size, kv_size),
+            bias=config.qkv_bias,
+            tp=tp,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = RowParallelLinear(
+            q_size, config.hidden_size, bias=config.o_proj_bias, tp=tp, dtype=dtype, device=device
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(config.head_dim, eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(config.head_dim, eps, dtype=dtype, device=device)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn_backend.forward(q, k, v, self.layer_id, fb)
+        return self.o_proj(out.view(-1, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, config: ModelConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+    ):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size,
+            (inter, inter),
+            bias=config.mlp_bias,
+            tp=tp,
+            dtype=dtype,
+            device=device,
+        )
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=config.mlp_bias, tp=tp, dtype=dtype, device=device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        *,
+        tp: TPGroup,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(
+            config, layer_id, tp=tp, attn_backend=attn_backend, dtype=dtype, device=device
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, tp=tp, dtype=dtype, device=device)
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, fb)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        tp: TPGroup,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                config, i, tp=tp, attn_backend=attn_backend, dtype=dtype, device=device
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, fb)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        tp: TPGroup,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(
+            config, tp=tp, attn_backend=attn_backend, dtype=dtype, device=device
+        )
+        self.lm_head = (
+            self.model.embed_tokens
+            if config.tie_word_embeddings
+            else VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
+            )
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, fb)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_rows)
+
+    def param_for_checkpoint_name(self, name: str) -> tuple[str, int] | None:
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # some checkpoints store the tied head twice
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # recomputed from the config, and not a weight
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED:
+            fused, piece = _FUSED[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), piece
+        return name, 0
+
+    def checkpoint_name(self, param: str, piece: int) -> str:
+        *module, fused, leaf = param.split(".")
+        for name, target in _FUSED.items():
+            if target == (fused, piece):
+                return ".".join([*module, name, leaf])
+        return param

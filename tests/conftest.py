@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path) -> Callable[..., Path]:
+    """Builds a tiny randomly initialised HF model and saves it as safetensors.
+
+    `tiny_model("qwen3", tie_word_embeddings=False)` returns the directory. Every parameter is
+    random (biases and norm weights too: HF starts those at 0 and 1, which would hide bugs).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    configs: dict[str, Any] = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+    def build(kind: str, max_shard_size: str | None = None, **overrides: Any) -> Path:
+        fields = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=256,
+            max_position_embeddings=512,
+            eos_token_id=2,
+        )
+        config = configs[kind](**(fields | overrides))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+        path = tmp_path / f"{kind}-{len(list(tmp_path.iterdir()))}"
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(path, **kwargs)
+        return path
+
+    return build
