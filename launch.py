@@ -56,7 +56,9 @@ class Server:
         ):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=target, name=name, daemon=True,
+                target=target,
+                name=name,
+                daemon=True,
                 args=(self.args, self.model_path, self.ipc_dir, writer),
             )
             proc.start()

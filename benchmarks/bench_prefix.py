@@ -58,7 +58,7 @@ def main() -> None:
     rows = [[*on.row(), str(on_prefill)], [*off.row(), str(off_prefill)]]
     header_extra = "prefill tokens computed"
     print_table(rows, extra=[header_extra])
-    tput = (on.output_tokens / on.duration) / (off.output_tokens / off.duration)
+    tput = on.throughput / off.throughput
     ttft = statistics.median(off.ttfts) / statistics.median(on.ttfts)
     print(
         f"\ncache on / off: prefill tokens {on_prefill / off_prefill:.1%}, "

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from model_worker.batch import ModelWorkerBatch
+from model_worker.batch import ModelWorkerBatch, SampleOutput
 from protocol.internal import TokenizedGenerateReq
 from protocol.wire import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -28,9 +28,9 @@ class InstantWorker:
     def __init__(self) -> None:
         self.seconds = 0.0
 
-    def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
+    def forward(self, batch: ModelWorkerBatch) -> SampleOutput:
         start = time.perf_counter()
-        out = torch.full((batch.batch_size,), 7, dtype=torch.int64)
+        out = SampleOutput(torch.full((batch.batch_size,), 7, dtype=torch.int64))
         self.seconds += time.perf_counter() - start
         return out
 

@@ -5,6 +5,8 @@ with static padded batches on the same prompts, in the same run.
 
 Every request uses ignore_eos, so both sides produce exactly output-len tokens per request. The
 server runs first and is stopped before the baseline starts: each side has the machine alone.
+With --mixed-sampling the server also runs the same prompts with half of the requests sampling
+(temperature, top-p, top-k, penalties), to compare with its all-greedy run.
 """
 
 from __future__ import annotations
@@ -42,11 +44,15 @@ class RunResult:
     ttfts: list[float]
     itls: list[float]  # per request: mean time between tokens after the first
 
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.duration
+
     def row(self) -> list[str]:
         q = statistics.quantiles(self.ttfts, n=100)
         return [
             self.name,
-            f"{self.output_tokens / self.duration:.1f}",
+            f"{self.throughput:.1f}",
             f"{statistics.median(self.ttfts):.2f}",
             f"{q[98]:.2f}",
             f"{statistics.mean(self.itls) * 1000:.0f}",
@@ -59,13 +65,33 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-async def run_load(
-    address: str, prompts: list[list[int]], output_len: int, name: str = "radixserve"
-) -> RunResult:
-    """Send every prompt at once, streaming; time each request's chunks."""
-    params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+GREEDY = {"temperature": 0}
+SAMPLED = {
+    "temperature": 0.8,
+    "top_p": 0.9,
+    "top_k": 50,
+    "repetition_penalty": 1.1,
+    "frequency_penalty": 0.2,
+    "presence_penalty": 0.2,
+}
 
-    async def one(c: AsyncClient, ids: list[int]) -> RequestTiming:
+
+async def run_load(
+    address: str,
+    prompts: list[list[int]],
+    output_len: int,
+    name: str = "radixserve",
+    mixed: bool = False,
+) -> RunResult:
+    """Send every prompt at once, streaming; time each request's chunks. mixed: odd requests
+    sample with SAMPLED instead of decoding greedily."""
+
+    async def one(c: AsyncClient, i: int, ids: list[int]) -> RequestTiming:
+        params = {
+            "max_new_tokens": output_len,
+            "ignore_eos": True,
+            **(SAMPLED if mixed and i % 2 else GREEDY),
+        }
         timing = RequestTiming(sent=time.perf_counter())
         async for chunk in c.stream(input_ids=ids, sampling_params=params):
             timing.chunks.append(time.perf_counter())
@@ -74,7 +100,7 @@ async def run_load(
 
     async with AsyncClient(address, timeout=1800) as c:
         start = time.perf_counter()
-        timings = await asyncio.gather(*(one(c, ids) for ids in prompts))
+        timings = await asyncio.gather(*(one(c, i, ids) for i, ids in enumerate(prompts)))
         duration = time.perf_counter() - start
     return RunResult(
         name=name,
@@ -85,10 +111,21 @@ async def run_load(
     )
 
 
-def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> RunResult:
+def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> list[RunResult]:
     server_args = ["--model", args.model, "--dtype", args.dtype, *args.server_args.split()]
+    # The cache would serve the second run's prompts: each run must compute its own.
+    server_args.append("--disable-radix-cache")
     with launched_server(*server_args) as server:
-        return asyncio.run(run_load(server.address, prompts, args.output_len))
+        results = [asyncio.run(run_load(server.address, prompts, args.output_len))]
+        if args.mixed_sampling:
+            results.append(
+                asyncio.run(
+                    run_load(
+                        server.address, prompts, args.output_len, "radixserve, half sampled", True
+                    )
+                )
+            )
+    return results
 
 
 def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> RunResult:
@@ -119,8 +156,12 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> RunR
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             clock = FirstTokenClock()
             out = model.generate(
-                ids, attention_mask=mask, do_sample=False, max_new_tokens=args.output_len,
-                min_new_tokens=args.output_len, logits_processor=LogitsProcessorList([clock]),
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                logits_processor=LogitsProcessorList([clock]),
                 pad_token_id=pad,
             )
             end = time.perf_counter()
@@ -132,8 +173,15 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> RunR
 
 
 def print_table(rows: list[list[str]], extra: list[str] = ()) -> None:
-    header = ["run", "output tok/s", "TTFT p50 (s)", "TTFT p99 (s)", "ITL mean (ms)", "total (s)",
-              *extra]
+    header = [
+        "run",
+        "output tok/s",
+        "TTFT p50 (s)",
+        "TTFT p99 (s)",
+        "ITL mean (ms)",
+        "total (s)",
+        *extra,
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, ["-" * w for w in widths], *rows]:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
@@ -149,6 +197,11 @@ def main() -> None:
     parser.add_argument("--baseline-batch-size", type=int, default=64)
     parser.add_argument("--server-args", default="", help="extra launch.py flags, one string")
     parser.add_argument("--threads", type=int, default=None, help="baseline torch threads")
+    parser.add_argument(
+        "--mixed-sampling",
+        action="store_true",
+        help="also run half of the requests with sampling parameters",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -157,16 +210,18 @@ def main() -> None:
 
     vocab = len(AutoTokenizer.from_pretrained(resolve_model_path(args.model)))
     prompts = make_prompts(args.num_requests, args.input_len, vocab)
-    ours = run_server(args, prompts)
+    ours, *mixed = run_server(args, prompts)
     baseline = run_transformers(args, prompts)
     print(
         f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} new tokens)"
         f", {args.dtype}, baseline batch size {args.baseline_batch_size}, "
         f"torch threads {torch.get_num_threads()}\n"
     )
-    print_table([ours.row(), baseline.row()])
-    ratio = (ours.output_tokens / ours.duration) / (baseline.output_tokens / baseline.duration)
+    print_table([ours.row(), *(m.row() for m in mixed), baseline.row()])
+    ratio = ours.throughput / baseline.throughput
     print(f"\nthroughput ratio radixserve / transformers: {ratio:.2f}x")
+    for m in mixed:
+        print(f"throughput ratio half sampled / all greedy: {m.throughput / ours.throughput:.2f}x")
 
 
 if __name__ == "__main__":

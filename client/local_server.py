@@ -9,10 +9,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from client.sync_client import Client
 
@@ -58,7 +58,9 @@ def launched_server(*args: str, start_timeout: float = 300) -> Iterator[Launched
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "launch", "--port", str(port), *args],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     server = LaunchedServer(proc, f"tcp://127.0.0.1:{port}", log_path)
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from protocol.internal import ReqStrOut, ReqTokenOut
+from protocol.internal import ReqStrOut, ReqTokenOut, StopReq
 from protocol.wire import FinishReason
 
 # What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
@@ -43,6 +43,7 @@ class DecodeState:
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0
+    held: str = ""  # decoded text not sent yet because it may begin a stop string
 
     def windows(self, end: int) -> tuple[list[int], list[int]]:
         """The emitted context alone, and the context followed by the new ids up to `end`."""
@@ -50,20 +51,42 @@ class DecodeState:
 
 
 class IncrementalDetokenizer:
-    """Turns each step's new token ids into new text, keeping per-request state until finish."""
+    """Turns each step's new token ids into new text, keeping per-request state until finish.
+
+    It also matches stop strings: text that may begin one is held back, so a stop string split
+    across steps is still found and never half sent. A match ends the request here, at once, and
+    asks the scheduler (StopReq) to stop generating; what the scheduler sends for it after that
+    is dropped.
+    """
 
     def __init__(self, tokenizer: BatchDecoder):
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
+        self.stopped: set[str] = set()  # ended on a stop string; the scheduler's final is pending
 
     def __len__(self) -> int:
         return len(self.states)
 
-    def step(self, outs: list[ReqTokenOut]) -> list[ReqStrOut]:
-        """One ReqStrOut per ReqTokenOut, in order; its text may be empty while a char is split."""
-        states = [self._extend(out) for out in outs]
-        new_texts = self._decode_new_texts(outs, states)
-        return [self._emit(out, s, text) for out, s, text in zip(outs, states, new_texts)]
+    def step(self, outs: list[ReqTokenOut]) -> tuple[list[ReqStrOut], list[StopReq]]:
+        """Text for each output (it may be empty while a character or a stop string is split),
+        and the requests the scheduler must stop."""
+        live = [out for out in outs if not self._drop_after_stop(out)]
+        states = [self._extend(out) for out in live]
+        new_texts = self._decode_new_texts(live, states)
+        strs, stops = [], []
+        for out, state, text in zip(live, states, new_texts):
+            str_out, stop = self._emit(out, state, text)
+            strs.append(str_out)
+            if stop is not None:
+                stops.append(stop)
+        return strs, stops
+
+    def _drop_after_stop(self, out: ReqTokenOut) -> bool:
+        if out.rid not in self.stopped:
+            return False
+        if out.finished_reason is not None:
+            self.stopped.discard(out.rid)
+        return True
 
     def _extend(self, out: ReqTokenOut) -> DecodeState:
         state = self.states.setdefault(out.rid, DecodeState())
@@ -89,25 +112,64 @@ class IncrementalDetokenizer:
             sequences, skip_special_tokens=skip, clean_up_tokenization_spaces=False
         )
 
-    def _emit(self, out: ReqTokenOut, state: DecodeState, new_text: str) -> ReqStrOut:
-        if out.finished_reason is not None:
-            # Nothing follows, so whatever is left goes out, even half a character.
-            del self.states[out.rid]
-            new_text = _trim_stop_str(new_text, out.finished_reason, state.read_offset > 0)
-        elif new_text and not new_text.endswith(REPLACEMENT_CHAR):
+    def _emit(
+        self, out: ReqTokenOut, state: DecodeState, new_text: str
+    ) -> tuple[ReqStrOut, StopReq | None]:
+        reason = out.finished_reason
+        if reason is None and (not new_text or new_text.endswith(REPLACEMENT_CHAR)):
+            new_text = ""  # half a character: wait for the rest
+        elif reason is None:
             state.prefix_offset = state.read_offset
             state.read_offset = len(state.ids)
-        else:
-            new_text = ""
-        return ReqStrOut(
+        # else: nothing follows, so whatever is left goes out, even half a character
+        text, state.held = state.held + new_text, ""
+        stop_req = None
+        if out.stop:
+            cut, matched = _find_stop(text, out.stop)
+            if matched is not None:
+                text = text[:cut]
+                if reason is None:
+                    self.stopped.add(out.rid)
+                    stop_req = StopReq(out.rid, matched)
+                reason = FinishReason("stop", matched)
+            elif reason is None:
+                keep = _stop_prefix_len(text, out.stop)
+                text, state.held = text[: len(text) - keep], text[len(text) - keep :]
+        if reason is not None:
+            del self.states[out.rid]
+        str_out = ReqStrOut(
             rid=out.rid,
-            text=new_text,
+            text=text,
             new_token_ids=out.new_token_ids,
-            finished_reason=out.finished_reason,
+            finished_reason=reason,
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
+            output_token_logprobs=out.output_token_logprobs,
+            output_top_logprobs=out.output_top_logprobs,
         )
+        return str_out, stop_req
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
+    """The earliest stop string in text: (where it starts, which), or (-1, None)."""
+    best, matched = -1, None
+    for stop in stops:
+        pos = text.find(stop)
+        if pos != -1 and (best == -1 or pos < best):
+            best, matched = pos, stop
+    return best, matched
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that a stop string begins with: held back."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
 
 
 def _text_end(out: ReqTokenOut, state: DecodeState) -> int:
@@ -120,21 +182,3 @@ def _text_end(out: ReqTokenOut, state: DecodeState) -> int:
         and state.ids[-1] == reason.matched
     )
     return len(state.ids) - 1 if ends_in_stop_token else len(state.ids)
-
-
-def _trim_stop_str(text: str, reason: FinishReason, streamed_before: bool) -> str:
-    """Cut a matched stop string, and anything decoded after it, from a request's last text.
-
-    The scheduler stops at the token that completes the stop string, so the string ends in this
-    text. When earlier text was already streamed, the string may have begun there: that head is
-    gone, and only its tail at the start of this text can still be cut.
-    """
-    stop = reason.matched
-    if not isinstance(stop, str) or not stop:
-        return text
-    pos = text.find(stop)
-    if pos != -1:
-        return text[:pos]
-    if streamed_before and any(text.startswith(stop[k:]) for k in range(1, len(stop))):
-        return ""
-    return text

@@ -25,6 +25,7 @@ def run_detokenizer_process(
     ctx = zmq.Context(io_threads=1)
     recv_sock = transport.bind_pull(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
     send_sock = transport.connect_push(ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT)
+    to_scheduler = transport.connect_push(ctx, ipc_dir, transport.SCHEDULER_INPUT)
     codec = transport.Codec(BatchTokenOut)
 
     ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady(name="detokenizer")))
@@ -33,7 +34,10 @@ def run_detokenizer_process(
     while True:
         # A blocking receive: the process sleeps while nothing is generated.
         batch: BatchTokenOut = codec.decode(recv_sock.recv())
-        send_sock.send(codec.encode(BatchStrOut(outs=detokenizer.step(batch.outs))))
+        strs, stops = detokenizer.step(batch.outs)
+        for stop in stops:
+            to_scheduler.send(codec.encode(stop))
+        send_sock.send(codec.encode(BatchStrOut(outs=strs)))
 
 
 def _load_tokenizer(model_path: str) -> BatchDecoder:

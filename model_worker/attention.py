@@ -49,9 +49,10 @@ class _PaddedGroup:
 
     query_tokens: torch.Tensor  # int64 [n, q_max]: the packed token of each query row
     kv_slots: torch.Tensor  # int64 [n, k_max]
-    # bool [n, 1, q_max * group, k_max]; row i * group + h is query row i of the h-th query head
-    # sharing a KV head, which is how queries are laid out (see _attend_padded). None when n == 1:
-    # one sequence has no padding, and its bottom-right-aligned causal mask is implicit.
+    # [n, 1, q_max * group, k_max], bool (float 0/-inf for decodes); row i * group + h is query
+    # row i of the h-th query head sharing a KV head, which is how queries are laid out (see
+    # _attend_padded). None when n == 1: one sequence has no padding, and its
+    # bottom-right-aligned causal mask is implicit.
     mask: torch.Tensor | None
 
 
@@ -116,6 +117,10 @@ class TorchNativeBackend(AttentionBackend):
         if len(members) > 1:
             visible = torch.arange(k_max)[None, None, :] <= (prefix[:, None] + offsets)[:, :, None]
             mask = visible.repeat_interleave(self.group, dim=1)[:, None]
+            if q_max == 1:
+                # Decodes, the hot path: SDPA on CPU runs ~20% faster with an additive float
+                # mask than with a boolean one. Extends keep the boolean: 4x less memory.
+                mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
         group = _PaddedGroup(query_tokens, fb.kv_slots[members, :k_max], mask)
         rows = torch.arange(real.numel()).view_as(real)
         return group, query_tokens[real], rows[real]

@@ -18,13 +18,49 @@ import torch
 
 
 @dataclass(slots=True)
+class PenaltyInit:
+    """A sequence whose penalty state the worker (re)builds before sampling it: its first step in
+    a ReqToTokenPool row (just admitted, or recomputed after a retraction)."""
+
+    batch_index: int
+    prompt_ids: list[int]
+    output_ids: list[int]  # outputs so far: non-empty only for a recompute
+
+
+@dataclass(slots=True)
 class SamplingBatchInfo:
-    """Per-sequence sampling parameters, one row per sequence of the batch."""
+    """Per-sequence sampling parameters, one row per sequence of the batch (CPU tensors)."""
 
     temperatures: torch.Tensor  # float32 [B]; 0 means greedy
     top_ps: torch.Tensor  # float32 [B]
     top_ks: torch.Tensor  # int64 [B]; -1 means off
-    is_all_greedy: bool  # lets the sampler skip everything but argmax
+    min_ps: torch.Tensor  # float32 [B]; 0 means off
+    repetition_penalties: torch.Tensor  # float32 [B]; 1 means off (prompt and output tokens)
+    frequency_penalties: torch.Tensor  # float32 [B]; 0 means off (output tokens)
+    presence_penalties: torch.Tensor  # float32 [B]; 0 means off (output tokens)
+    seeds: torch.Tensor  # int64 [B]; meaningful where `seeded`
+    seeded: torch.Tensor  # bool [B]
+    output_index: torch.Tensor  # int64 [B]: which output token of its request each row samples
+    req_rows: torch.Tensor  # int64 [B]: the request's ReqToTokenPool row, keys penalty state
+    emits_token: torch.Tensor  # bool [B]: False for a prefill chunk, whose sample is discarded
+    top_logprobs_nums: torch.Tensor  # int64 [B]; meaningful where `return_logprob`
+    return_logprob: torch.Tensor  # bool [B]
+    penalty_inits: list[PenaltyInit]
+    is_all_greedy: bool  # no row samples: argmax, unless penalties change the logits
+    has_penalties: bool
+    has_min_p: bool
+    any_logprob: bool
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """What the worker returns for a batch (CPU tensors)."""
+
+    next_token_ids: torch.Tensor  # int64 [B]
+    # With any_logprob: log_softmax of the raw logits (before temperature and penalties).
+    token_logprobs: torch.Tensor | None = None  # float32 [B]: of the chosen token
+    top_logprobs: torch.Tensor | None = None  # float32 [B, K], K = max(top_logprobs_nums)
+    top_logprob_ids: torch.Tensor | None = None  # int64 [B, K]
 
 
 @dataclass(slots=True)

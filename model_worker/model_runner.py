@@ -8,14 +8,14 @@ from pathlib import Path
 import torch
 
 from model_worker.attention import create_attention_backend
-from model_worker.batch import ModelWorkerBatch
+from model_worker.batch import ModelWorkerBatch, SampleOutput
 from model_worker.forward_batch import ForwardBatch
 from model_worker.kv_pool import TokenToKVPool
 from model_worker.loader import load_weights
 from model_worker.model_config import ModelConfig
 from model_worker.models import get_model_class
 from model_worker.parallel import TPGroup
-from model_worker.sampler import sample
+from model_worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.sampler = Sampler(config.vocab_size, device, seed)
         logger.info(
             "Loaded %s (%s, %s, TP rank %d/%d): KV pool of %d tokens, %.2f GB",
             config.architecture,
@@ -76,10 +75,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
-        """The next token of every sequence of the batch: int64 [B], on the CPU."""
-        logits = self.forward_logits(batch)
-        return sample(logits, batch.sampling, self.generator).cpu()
+    def forward(self, batch: ModelWorkerBatch) -> SampleOutput:
+        """The next token of every sequence of the batch, and logprobs where asked for; on the
+        CPU. Keeps each penalised request's token counts for its later steps."""
+        return self.sampler(self.forward_logits(batch), batch.sampling)
 
     @torch.inference_mode()
     def forward_logits(

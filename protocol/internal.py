@@ -27,6 +27,13 @@ class AbortReq(_Msg, tag="abort"):
     rid: str
 
 
+class StopReq(_Msg, tag="stop"):
+    """From the detokenizer: a stop string matched, so the request ends (finish reason stop)."""
+
+    rid: str
+    matched: str
+
+
 class FlushCacheReq(_Msg, tag="flush"):
     query_id: int
 
@@ -39,7 +46,12 @@ class HealthReq(_Msg, tag="health"):
     query_id: int
 
 
-SchedulerInput = TokenizedGenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | HealthReq
+SchedulerInput = (
+    TokenizedGenerateReq | AbortReq | StopReq | FlushCacheReq | ServerInfoReq | HealthReq
+)
+
+# (logprob, token id): SGLang's layout for output_token_logprobs and each top-logprobs entry.
+Logprob = tuple[float, int]
 
 
 # ---- scheduler -> detokenizer ------------------------------------------------------------------
@@ -55,6 +67,9 @@ class ReqTokenOut(msgspec.Struct, array_like=True):
     completion_tokens: int
     cached_tokens: int
     skip_special_tokens: bool
+    stop: list[str]  # stop strings, which the detokenizer matches
+    output_token_logprobs: list[Logprob] | None = None  # for new_token_ids, when asked for
+    output_top_logprobs: list[list[Logprob]] | None = None
 
 
 class BatchTokenOut(_Msg, tag="tokens"):
@@ -72,6 +87,8 @@ class ReqStrOut(msgspec.Struct, array_like=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    output_token_logprobs: list[Logprob] | None = None
+    output_top_logprobs: list[list[Logprob]] | None = None
 
 
 class BatchStrOut(_Msg, tag="strs"):

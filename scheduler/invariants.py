@@ -32,8 +32,10 @@ def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
     for req in s.waiting:
         _require(not req.finished, f"finished request {req.rid} still waiting")
         _require(req.req_pool_idx is None, f"waiting request {req.rid} holds a row")
-        _require(req.last_node is None and req.num_computed_tokens == 0,
-                 f"waiting request {req.rid} holds KV")
+        _require(
+            req.last_node is None and req.num_computed_tokens == 0,
+            f"waiting request {req.rid} holds KV",
+        )
     for req in s.running:
         _require(not req.finished, f"finished request {req.rid} still running")
         _require(req.req_pool_idx is not None, f"running request {req.rid} holds no row")
@@ -45,11 +47,11 @@ def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
         )
 
     # Every KV slot is exactly one of: free, owned by the tree, or owned by one running request.
-    tree = s.tree_cache
-    pool = s.req_to_token_pool.req_to_token
+    tree = s.kv.tree_cache
+    pool = s.kv.req_to_token_pool.req_to_token
     owned = [pool[r.req_pool_idx, r.prefix_len : r.num_computed_tokens] for r in s.running]
     tree_slots = [tree.all_slots()] if tree is not None else []
-    every = torch.cat([s.allocator.free_slots(), *tree_slots, *owned])
+    every = torch.cat([s.kv.allocator.free_slots(), *tree_slots, *owned])
     _require(
         every.numel() == cfg.max_total_tokens,
         f"{every.numel()} slots accounted for, {cfg.max_total_tokens} exist: a slot leaked or is "
@@ -61,7 +63,7 @@ def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
     )
     rows = {r.req_pool_idx for r in s.running}
     _require(
-        s.req_to_token_pool.num_free + len(rows) == cfg.max_running_requests,
+        s.kv.req_to_token_pool.num_free + len(rows) == cfg.max_running_requests,
         "a request row leaked",
     )
     if tree is not None:
@@ -71,7 +73,9 @@ def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
         )
         for req in s.running:
             node = req.last_node
-            _require(node is not None and (node is tree.root or node.lock_ref > 0),
-                     f"running request {req.rid} does not lock its prefix")
+            _require(
+                node is not None and (node is tree.root or node.lock_ref > 0),
+                f"running request {req.rid} does not lock its prefix",
+            )
     if not s.has_unfinished():
-        _require(s.available_kv == cfg.max_total_tokens, "idle, yet some KV is not reusable")
+        _require(s.kv.available == cfg.max_total_tokens, "idle, yet some KV is not reusable")

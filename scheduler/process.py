@@ -12,6 +12,7 @@ import zmq
 from model_worker.model_config import ModelConfig, resolve_dtype
 from model_worker.model_runner import ModelRunner
 from model_worker.parallel import TPGroup
+from process_setup import configure_process
 from protocol import transport
 from protocol.internal import (
     AbortReq,
@@ -24,11 +25,12 @@ from protocol.internal import (
     SchedulerInput,
     ServerInfoOut,
     ServerInfoReq,
+    StopReq,
     TokenizedGenerateReq,
 )
+from protocol.wire import FinishReason
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from server_args import ServerArgs
-from process_setup import configure_process
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -73,8 +75,13 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
     logger.info(
         "Model %s on %s, dtype %s. max_total_tokens=%d, max_running_requests=%d, "
         "context_len=%d, chunked_prefill_size=%d",
-        model.architecture, device, runner.dtype, config.max_total_tokens, max_running,
-        context_len, config.chunked_prefill_size,
+        model.architecture,
+        device,
+        runner.dtype,
+        config.max_total_tokens,
+        max_running,
+        context_len,
+        config.chunked_prefill_size,
     )
     return Scheduler(config, runner)
 
@@ -84,9 +91,7 @@ class SchedulerProcess:
         self.scheduler = build_scheduler(args, model_path)
         ctx = zmq.Context()
         self.recv_from_tokenizer = transport.bind_pull(ctx, ipc_dir, transport.SCHEDULER_INPUT)
-        self.send_to_detokenizer = transport.connect_push(
-            ctx, ipc_dir, transport.DETOKENIZER_INPUT
-        )
+        self.send_to_detokenizer = transport.connect_push(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
         self.send_to_tokenizer = transport.connect_push(
             ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
         )
@@ -121,6 +126,8 @@ class SchedulerProcess:
                     self._reply(error)
             case AbortReq(rid=rid):
                 scheduler.abort(rid)
+            case StopReq(rid=rid, matched=matched):
+                scheduler.abort(rid, FinishReason("stop", matched))
             case ServerInfoReq(query_id=qid):
                 self._reply(ServerInfoOut(qid, scheduler.server_info()))
             case FlushCacheReq(query_id=qid):

@@ -27,11 +27,16 @@ class Req:
     sampling_params: SamplingParams
     stream: bool
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) plus the client's stop_token_ids
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     num_computed_tokens: int = 0
     req_pool_idx: int | None = None  # row in ReqToTokenPool while it holds KV
     prefix_len: int = 0  # leading tokens whose KV slots the radix tree owns
     last_node: TreeNode | None = None  # the tree node ending at prefix_len, locked while running
+    new_row: bool = False  # first step in its row: the worker (re)builds its penalty state
     finished_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # outputs already handed to the detokenizer
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -56,6 +61,12 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    @property
+    def streams_steps(self) -> bool:
+        """Whether its tokens go to the detokenizer every step: to stream them, or to let the
+        detokenizer match stop strings while there is still something to stop."""
+        return self.stream or bool(self.sampling_params.stop)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + outputs, without building the whole list."""

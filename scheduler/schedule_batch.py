@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_worker.batch import ModelWorkerBatch, SamplingBatchInfo
+from model_worker.batch import ModelWorkerBatch, PenaltyInit, SamplingBatchInfo
 from scheduler.memory_pool import ReqToTokenPool
 from scheduler.req import Req
 
@@ -60,10 +60,47 @@ class ScheduleBatch:
         )
 
     def _sampling_info(self) -> SamplingBatchInfo:
-        params = [r.sampling_params for r in self.reqs]
+        reqs = self.reqs
+        params = [r.sampling_params for r in reqs]
+        penalized = [
+            p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+            for p in params
+        ]
+        inits = [
+            PenaltyInit(i, r.origin_input_ids, r.output_ids)
+            for i, r in enumerate(reqs)
+            if r.new_row and penalized[i]
+        ]
+        for r in reqs:
+            r.new_row = False
         return SamplingBatchInfo(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            temperatures=_f32([p.temperature for p in params]),
+            top_ps=_f32([p.top_p for p in params]),
+            top_ks=_i64([p.top_k for p in params]),
+            min_ps=_f32([p.min_p for p in params]),
+            repetition_penalties=_f32([p.repetition_penalty for p in params]),
+            frequency_penalties=_f32([p.frequency_penalty for p in params]),
+            presence_penalties=_f32([p.presence_penalty for p in params]),
+            seeds=_i64([p.seed or 0 for p in params]),
+            seeded=torch.tensor([p.seed is not None for p in params]),
+            output_index=_i64([len(r.output_ids) for r in reqs]),
+            req_rows=_i64([r.req_pool_idx for r in reqs]),
+            emits_token=torch.tensor(
+                [s + n == r.num_tokens for r, s, n in zip(reqs, self.prefix_lens, self.extend_lens)]
+            ),
+            top_logprobs_nums=_i64([r.top_logprobs_num for r in reqs]),
+            return_logprob=torch.tensor([r.return_logprob for r in reqs]),
+            penalty_inits=inits,
             is_all_greedy=all(p.is_greedy for p in params),
+            has_penalties=any(penalized),
+            has_min_p=any(p.min_p > 0 for p in params),
+            any_logprob=any(r.return_logprob for r in reqs),
         )
+
+
+def _f32(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _i64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)

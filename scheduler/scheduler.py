@@ -14,15 +14,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
-from model_worker.batch import ModelWorkerBatch
+from model_worker.batch import ModelWorkerBatch, SampleOutput
 from protocol.internal import ReqError, ReqTokenOut, TokenizedGenerateReq
 from protocol.wire import FinishReason, ServerInfoReply
 from scheduler.invariants import check_invariants
-from scheduler.memory_pool import ReqToTokenPool, TokenSlotAllocator
+from scheduler.kv_manager import KVManager
 from scheduler.prefill_adder import NewTokenRatio, PrefillAdder, reserved_tokens
-from scheduler.radix_cache import RadixCache, common_prefix_len
+from scheduler.radix_cache import common_prefix_len
 from scheduler.req import Req
 from scheduler.schedule_batch import ScheduleBatch
 
@@ -32,14 +30,14 @@ logger = logging.getLogger("radixserve.scheduler")
 RETRACT_DECODE_STEPS = 20
 # Past this many waiting requests, lpm's prefix matching costs more than it saves (SGLang).
 LPM_MAX_QUEUE = 128
-# A waiting request that shares this many uncached tokens with one admitted in the same step
-# waits a step: then it finds them in the tree instead of computing them a second time.
+# A waiting request that shares this many uncached tokens (or all of them) with one admitted in
+# the same step waits a step: then it finds them in the tree instead of computing them again.
 IN_BATCH_SHARED_PREFIX = 32
 
 
 class ModelWorker(Protocol):
-    def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
-        """Next token id of every sequence of the batch, int64 [B] on the CPU."""
+    def forward(self, batch: ModelWorkerBatch) -> SampleOutput:
+        """The next token of every sequence of the batch (and logprobs when asked for)."""
         ...
 
 
@@ -63,7 +61,6 @@ class SchedulerStats:
     num_steps: int = 0
     num_mixed_steps: int = 0
     num_retractions: int = 0
-    num_evicted_tokens: int = 0
     num_prefill_tokens: int = 0  # tokens computed for prompts (and recomputes), not decodes
     num_decode_steps: int = 0
     prompt_tokens: int = 0
@@ -77,10 +74,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, worker: ModelWorker):
         self.config = config
         self.worker = worker
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.context_len)
-        self.allocator = TokenSlotAllocator(config.max_total_tokens)
-        self.tree_cache = (
-            RadixCache(self.allocator, config.page_size) if config.enable_radix_cache else None
+        self.kv = KVManager(
+            config.max_total_tokens,
+            config.max_running_requests,
+            config.context_len,
+            config.enable_radix_cache,
+            config.page_size,
         )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -111,7 +110,15 @@ class Scheduler:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.config.eos_token_ids
-        req = Req(msg.rid, msg.input_ids, params, msg.stream, frozenset(stop_ids))
+        req = Req(
+            msg.rid,
+            msg.input_ids,
+            params,
+            msg.stream,
+            frozenset(stop_ids),
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
+        )
         self.stats.prompt_tokens += n_prompt
         if params.max_new_tokens == 0:
             req.finished_reason = FinishReason("length")
@@ -120,14 +127,15 @@ class Scheduler:
             self.waiting.append(req)
         return None
 
-    def abort(self, rid: str) -> None:
-        """End a waiting or running request; unknown rids (already finished) are ignored."""
+    def abort(self, rid: str, reason: FinishReason | None = None) -> None:
+        """End a waiting or running request now (abort, or a stop string the detokenizer found);
+        unknown rids (already finished) are ignored."""
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
-                    self._release(req)
-                    req.finished_reason = FinishReason("abort")
+                    self.kv.release(req)
+                    req.finished_reason = reason or FinishReason("abort")
                     self._emit(req)
                     return
 
@@ -140,8 +148,7 @@ class Scheduler:
         start = time.perf_counter()
         batch = self.get_next_batch_to_run()
         if batch is not None:
-            next_token_ids = self.run_batch(batch)
-            self.process_batch_result(batch, next_token_ids)
+            self.process_batch_result(batch, self.run_batch(batch))
         self.stats.busy_time_since_log += time.perf_counter() - start
         if self.config.check_invariants:
             check_invariants(self, batch)
@@ -153,7 +160,7 @@ class Scheduler:
             plan += self._admit_waiting(sum(n for _, n in plan))
         if not plan:
             return None
-        out_cache_loc = self._alloc(sum(n for _, n in plan))
+        out_cache_loc = self.kv.alloc(sum(n for _, n in plan))
         assert out_cache_loc is not None, "planning left too few free KV slots"
         reqs = [r for r, _ in plan]
         return ScheduleBatch(
@@ -164,11 +171,14 @@ class Scheduler:
             num_decodes=num_decodes,
         )
 
-    def run_batch(self, batch: ScheduleBatch) -> list[int]:
-        mwb = batch.to_model_worker_batch(self.req_to_token_pool)
-        return self.worker.forward(mwb).tolist()
+    def run_batch(self, batch: ScheduleBatch) -> SampleOutput:
+        mwb = batch.to_model_worker_batch(self.kv.req_to_token_pool)
+        return self.worker.forward(mwb)
 
-    def process_batch_result(self, batch: ScheduleBatch, next_token_ids: list[int]) -> None:
+    def process_batch_result(self, batch: ScheduleBatch, result: SampleOutput) -> None:
+        next_token_ids = result.next_token_ids.tolist()
+        if result.token_logprobs is not None:
+            self._record_logprobs(batch, result)
         stats = self.stats
         stats.num_steps += 1
         stats.num_mixed_steps += batch.is_mixed
@@ -178,19 +188,19 @@ class Scheduler:
         ):
             req.num_computed_tokens = prefix + extend
             if req.num_computed_tokens < req.num_tokens:
-                self._cache_unfinished(req)  # a prefill chunk: later requests may share it
+                self.kv.cache_unfinished(req)  # a prefill chunk: later requests may share it
                 continue  # its sampled token predicts nothing yet
             req.output_ids.append(token)
             stats.gen_tokens_since_log += 1
             req.check_finished(self.config.context_len)
             if req.finished:
                 self.running.remove(req)
-                self._release(req)
+                self.kv.release(req)
                 self._emit(req)
                 continue
             if extend > 1:
-                self._cache_unfinished(req)  # a fresh prompt: concurrent requests may share it
-            if req.stream:
+                self.kv.cache_unfinished(req)  # a fresh prompt: concurrent requests may share it
+            if req.streams_steps:
                 self._emit(req)
         if batch.num_decodes:
             stats.num_decode_steps += 1
@@ -199,6 +209,22 @@ class Scheduler:
                 self._log_decode()
         if batch.num_decodes < len(batch.reqs):
             self._log_prefill(batch)
+
+    def _record_logprobs(self, batch: ScheduleBatch, result: SampleOutput) -> None:
+        """Keep the logprobs of each real output token, for requests that asked for them."""
+        token_logprobs = result.token_logprobs.tolist()
+        top_values = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
+        tokens = result.next_token_ids.tolist()
+        for i, (req, prefix, extend) in enumerate(
+            zip(batch.reqs, batch.prefix_lens, batch.extend_lens)
+        ):
+            if not req.return_logprob or prefix + extend < req.num_tokens:
+                continue
+            req.output_token_logprobs.append((token_logprobs[i], tokens[i]))
+            if req.top_logprobs_num:
+                k = req.top_logprobs_num
+                req.output_top_logprobs.append(list(zip(top_values[i][:k], top_ids[i][:k])))
 
     # ---- planning ------------------------------------------------------------------------------
 
@@ -224,7 +250,7 @@ class Scheduler:
                 if n > 0:
                     plan.append((req, n))
                     budget -= n
-            if self.config.max_prefill_tokens - budget <= self.available_kv:
+            if self.config.max_prefill_tokens - budget <= self.kv.available:
                 return plan, num_decodes, retracted
             self._retract_one()
             retracted = True
@@ -234,7 +260,7 @@ class Scheduler:
         prompt) goes back to the front of the waiting queue and will be recomputed."""
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         self.running.remove(victim)
-        self._release(victim)
+        self.kv.release(victim)
         self.waiting.appendleft(victim)
         self.stats.num_retractions += 1
         if self.running:
@@ -244,7 +270,9 @@ class Scheduler:
             self.new_token_ratio.raise_to(estimate)
         logger.info(
             "Retract request %s. #running-req: %d, new_token_ratio: %.2f",
-            victim.rid, len(self.running), self.new_token_ratio.value,
+            victim.rid,
+            len(self.running),
+            self.new_token_ratio.value,
         )
 
     def _admit_waiting(self, running_tokens: int) -> list[tuple[Req, int]]:
@@ -255,27 +283,26 @@ class Scheduler:
         adder = PrefillAdder(
             token_budget=self.config.max_prefill_tokens - running_tokens,
             chunk_size=self.config.chunked_prefill_size,
-            free_kv=self.available_kv - reserve,
+            free_kv=self.kv.available - reserve,
             running_slots=self.config.max_running_requests - len(self.running),
             ratio=ratio,
         )
         admitted: list[tuple[Req, int]] = []
         while self.waiting:
             req = self.waiting[0]
-            evictable = self.tree_cache.evictable_size if self.tree_cache else 0
-            prefix_slots = self._attach_prefix(req)
+            available = self.kv.available
+            prefix_slots = self.kv.attach_prefix(req)
             if self._shares_uncached_prefix(req, admitted):
-                self._detach_prefix(req)
+                self.kv.detach_prefix(req)
                 break
             # The matched prefix is locked now: it no longer counts as evictable.
-            adder.free_kv -= evictable - (self.tree_cache.evictable_size if self.tree_cache else 0)
+            adder.free_kv -= available - self.kv.available
             n = adder.try_add(req)
             if n == 0:
-                self._detach_prefix(req)
+                self.kv.detach_prefix(req)
                 break
             self.waiting.popleft()
-            req.req_pool_idx = row = self.req_to_token_pool.alloc()
-            self.req_to_token_pool.req_to_token[row, : req.prefix_len] = prefix_slots
+            self.kv.assign_row(req, prefix_slots)
             self.running.append(req)
             admitted.append((req, n))
             cached_prompt = min(req.prefix_len, len(req.origin_input_ids))
@@ -284,17 +311,22 @@ class Scheduler:
         return admitted
 
     def _shares_uncached_prefix(self, req: Req, admitted: list[tuple[Req, int]]) -> bool:
-        if self.tree_cache is None or not admitted:
+        if self.kv.tree_cache is None or not admitted:
+            return False
+        # Worth a step of waiting: a long shared span, or all it would compute but the one token
+        # it always computes (n > 1 completions of one prompt, say).
+        threshold = min(IN_BATCH_SHARED_PREFIX, req.num_uncomputed_tokens - 1)
+        if threshold <= 0:
             return False
         tokens = req.token_slice(0, req.num_tokens)
         return any(
             common_prefix_len(tokens, other.token_slice(0, other.num_tokens), 1)
-            >= req.prefix_len + IN_BATCH_SHARED_PREFIX
+            >= req.prefix_len + threshold
             for other, _ in admitted
         )
 
     def _sort_waiting_by_prefix_match(self) -> None:
-        tree = self.tree_cache
+        tree = self.kv.tree_cache
         if tree is None:
             return
         matched = {
@@ -303,120 +335,50 @@ class Scheduler:
         }
         self.waiting = deque(sorted(self.waiting, key=lambda r: -matched[id(r)]))
 
-    # ---- prefix cache --------------------------------------------------------------------------
-    #
-    #   row of a running request:  [ tree's slots : prefix_len | own slots : num_computed_tokens ]
-    #   Caching inserts tokens [0, num_computed) into the tree. Of the request's own slots, those
-    #   the tree already had (someone else computed the same tokens) are duplicates and are freed;
-    #   the others now belong to the tree.
-
-    def _attach_prefix(self, req: Req) -> torch.Tensor:
-        """Start a waiting request from its longest cached prefix, locked in the tree; returns
-        the prefix's KV slots."""
-        tree = self.tree_cache
-        if tree is None:
-            return torch.empty(0, dtype=torch.int64)
-        match = tree.match_prefix(req.token_slice(0, req.num_tokens))
-        tree.inc_lock_ref(match.last_node)
-        req.last_node, req.prefix_len = match.last_node, len(match.slots)
-        req.num_computed_tokens = req.prefix_len
-        return match.slots
-
-    def _detach_prefix(self, req: Req) -> None:
-        if req.last_node is not None:
-            self.tree_cache.dec_lock_ref(req.last_node)
-        req.last_node, req.prefix_len, req.num_computed_tokens = None, 0, 0
-
-    def _cache_unfinished(self, req: Req) -> None:
-        """Insert a request's computed tokens mid-prefill, and point its row at the tree's slots."""
-        tree = self.tree_cache
-        if tree is None:
-            return
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        n = req.num_computed_tokens
-        self._insert_and_free_duplicates(req, row, n)
-        # match_prefix leaves one token uncomputed: give it one token more than is cached.
-        match = tree.match_prefix(req.token_slice(0, n + 1))
-        row[: len(match.slots)] = match.slots
-        tree.inc_lock_ref(match.last_node)
-        tree.dec_lock_ref(req.last_node)
-        req.last_node, req.prefix_len = match.last_node, len(match.slots)
-
-    def _insert_and_free_duplicates(self, req: Req, row: torch.Tensor, n: int) -> int:
-        """Insert tokens [0, n); returns how many the tree now holds (whole pages)."""
-        slots = row[:n].clone()
-        already = self.tree_cache.insert(req.token_slice(0, n), slots)
-        self.allocator.free(slots[req.prefix_len : already])
-        return n // self.config.page_size * self.config.page_size
-
-    @property
-    def available_kv(self) -> int:
-        """Slots an allocation can get: free ones, plus those eviction can take from the tree."""
-        return self.allocator.num_free + (self.tree_cache.evictable_size if self.tree_cache else 0)
-
-    def _alloc(self, n: int) -> torch.Tensor | None:
-        if self.tree_cache is not None and self.allocator.num_free < n:
-            self.stats.num_evicted_tokens += self.tree_cache.evict(n - self.allocator.num_free)
-        return self.allocator.alloc(n)
-
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only when nothing runs, since running requests lock it."""
         if self.has_unfinished():
             return False
-        if self.tree_cache is not None:
-            self.tree_cache.reset()
+        self.kv.flush()
         return True
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 
-    def _release(self, req: Req) -> None:
-        """The request stops holding KV (finished, aborted or retracted): its computed tokens go
-        to the prefix cache, or back to the allocator without one."""
-        if req.req_pool_idx is None:
-            return
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        n = req.num_computed_tokens
-        kept = 0
-        if self.tree_cache is not None:
-            kept = self._insert_and_free_duplicates(req, row, n)
-            self.tree_cache.dec_lock_ref(req.last_node)
-        self.allocator.free(row[kept:n].clone())  # what the tree did not take
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.last_node, req.prefix_len, req.num_computed_tokens = None, None, 0, 0
-
     def _emit(self, req: Req) -> None:
-        new_ids = req.output_ids[req.num_sent_tokens :]
+        sent = req.num_sent_tokens
         req.num_sent_tokens = len(req.output_ids)
         self.outbox.append(
             ReqTokenOut(
                 rid=req.rid,
-                new_token_ids=new_ids,
+                new_token_ids=req.output_ids[sent:],
                 finished_reason=req.finished_reason,
                 prompt_tokens=len(req.origin_input_ids),
                 completion_tokens=len(req.output_ids),
                 cached_tokens=req.cached_tokens,
                 skip_special_tokens=req.sampling_params.skip_special_tokens,
+                stop=req.sampling_params.stop,
+                output_token_logprobs=req.output_token_logprobs[sent:]
+                if req.return_logprob
+                else None,
+                output_top_logprobs=(
+                    req.output_top_logprobs[sent:] if req.top_logprobs_num else None
+                ),
             )
         )
-
-    @property
-    def kv_tokens_used(self) -> int:
-        """Slots held by running requests; the prefix cache's evictable part counts as free."""
-        return self.config.max_total_tokens - self.available_kv
 
     def server_info(self) -> ServerInfoReply:
         stats = self.stats
         return ServerInfoReply(
             running_requests=len(self.running),
             waiting_requests=len(self.waiting),
-            kv_tokens_used=self.kv_tokens_used,
+            kv_tokens_used=self.kv.used,
             kv_tokens_total=self.config.max_total_tokens,
             cache_hit_rate=stats.cached_tokens / max(stats.prompt_tokens, 1),
             gen_throughput=stats.gen_throughput,
             num_steps=stats.num_steps,
             num_mixed_steps=stats.num_mixed_steps,
             num_retractions=stats.num_retractions,
-            num_evicted_tokens=stats.num_evicted_tokens,
+            num_evicted_tokens=self.kv.num_evicted_tokens,
             num_prefill_tokens=stats.num_prefill_tokens,
             max_running_requests=self.config.max_running_requests,
         )
@@ -427,7 +389,7 @@ class Scheduler:
             "#running-req: %d, #queue-req: %d",
             len(batch.reqs) - batch.num_decodes,
             batch.num_tokens - batch.num_decodes,
-            self.kv_tokens_used / self.config.max_total_tokens,
+            self.kv.used / self.config.max_total_tokens,
             len(self.running),
             len(self.waiting),
         )
@@ -440,8 +402,8 @@ class Scheduler:
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
             "gen throughput (token/s): %.2f, #queue-req: %d",
             len(self.running),
-            self.kv_tokens_used,
-            self.kv_tokens_used / self.config.max_total_tokens,
+            self.kv.used,
+            self.kv.used / self.config.max_total_tokens,
             stats.gen_throughput,
             len(self.waiting),
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from model_worker.batch import ModelWorkerBatch
+from model_worker.batch import ModelWorkerBatch, SampleOutput
 
 VOCAB = 1000
 EOS = 0
@@ -36,14 +36,15 @@ class FakeModelWorker:
         self.kv = torch.full((num_slots + 1,), -1, dtype=torch.int64)  # slot 0: padding
         self.batches: list[ModelWorkerBatch] = []
 
-    def forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
+    def forward(self, batch: ModelWorkerBatch) -> SampleOutput:
         self.batches.append(batch)
         assert (batch.out_cache_loc > 0).all(), "slot 0 is padding, never a token's home"
         self.kv[batch.out_cache_loc] = batch.input_ids
         seq_lens = batch.seq_lens.tolist()
         out, start = [], 0
-        for i, (prefix, extend) in enumerate(zip(batch.prefix_lens.tolist(),
-                                                  batch.extend_lens.tolist())):
+        for i, (prefix, extend) in enumerate(
+            zip(batch.prefix_lens.tolist(), batch.extend_lens.tolist())
+        ):
             expected = torch.arange(prefix, prefix + extend)
             assert torch.equal(batch.positions[start : start + extend], expected), "positions"
             start += extend
@@ -52,4 +53,4 @@ class FakeModelWorker:
             tokens = self.kv[slots].tolist()
             assert -1 not in tokens, "a sequence reads a slot nobody wrote"
             out.append(next_token(tokens))
-        return torch.tensor(out, dtype=torch.int64)
+        return SampleOutput(torch.tensor(out, dtype=torch.int64))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_sampler import make_info
 
 from model_worker.attention import create_attention_backend
-from model_worker.batch import ModelWorkerBatch, SamplingBatchInfo
+from model_worker.batch import ModelWorkerBatch
 from model_worker.forward_batch import ForwardBatch
 from model_worker.kv_pool import TokenToKVPool
 
@@ -63,7 +64,7 @@ def test_matches_reference(num_heads: int, num_kv_heads: int, lens: list[tuple[i
         prefix_lens=prefix,
         extend_lens=extend,
         kv_slots=kv_slots,
-        sampling=SamplingBatchInfo(torch.zeros(0), torch.zeros(0), torch.zeros(0), True),
+        sampling=make_info(0),
     )
     fb = ForwardBatch.from_worker_batch(batch, torch.device("cpu"), pool)
     backend = create_attention_backend("torch_native", num_heads, num_kv_heads)

@@ -307,9 +307,11 @@ def test_requests_are_validated_before_sending(server, client):
 
 
 def test_oversized_reply_is_a_protocol_error(server):
-    with Client(server.address, timeout=5, max_reply_bytes=16) as client:
-        with pytest.raises(ProtocolError, match="exceeds"):
-            client.generate("a prompt long enough to make a reply over sixteen bytes")
+    with (
+        Client(server.address, timeout=5, max_reply_bytes=16) as client,
+        pytest.raises(ProtocolError, match="exceeds"),
+    ):
+        client.generate("a prompt long enough to make a reply over sixteen bytes")
     with pytest.raises(ProtocolError, match="undecodable"):
         WireCodec().decode(b"\x81\xa4type\xa4nope")
 

@@ -20,7 +20,14 @@ from detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
 from detokenizer.process import run_detokenizer_process
 from model_worker.model_source import default_model_dir
 from protocol import transport
-from protocol.internal import BatchStrOut, BatchTokenOut, ProcessReady, ReqStrOut, ReqTokenOut
+from protocol.internal import (
+    BatchStrOut,
+    BatchTokenOut,
+    ProcessReady,
+    ReqStrOut,
+    ReqTokenOut,
+    StopReq,
+)
 from protocol.wire import FinishReason
 from server_args import ServerArgs
 
@@ -50,6 +57,7 @@ def token_out(
     ids: list[int],
     finished: FinishReason | None = None,
     skip_special_tokens: bool = True,
+    stop: tuple[str, ...] = (),
 ) -> ReqTokenOut:
     return ReqTokenOut(
         rid=rid,
@@ -59,6 +67,7 @@ def token_out(
         completion_tokens=len(ids),
         cached_tokens=0,
         skip_special_tokens=skip_special_tokens,
+        stop=list(stop),
     )
 
 
@@ -82,7 +91,7 @@ def stream(
     texts = []
     for i, piece in enumerate(pieces):
         finished = finish if i == len(pieces) - 1 else None
-        (out,) = detok.step([token_out(rid, piece, finished, **kw)])
+        (out,), _ = detok.step([token_out(rid, piece, finished, **kw)])
         assert out.rid == rid and out.new_token_ids == piece
         texts.append(out.text)
     return texts
@@ -143,7 +152,7 @@ def test_leading_spaces_come_from_the_previous_token():
 def test_all_at_once_equals_one_at_a_time(tokenizer):
     ids = tokenizer.encode(TEXTS[1], add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
-    (whole,) = detok.step([token_out("r", ids, LENGTH)])
+    (whole,), _ = detok.step([token_out("r", ids, LENGTH)])
     assert whole.text == "".join(stream(detok, "s", [[i] for i in ids]))
 
 
@@ -172,7 +181,7 @@ def test_interleaved_requests_in_one_batch(tokenizer):
             sent[rid] = end
             if finished:
                 del sent[rid]
-        outs = detok.step(batch)
+        outs, _ = detok.step(batch)
         assert [o.rid for o in outs] == [t.rid for t in batch]
         for out in outs:
             assert REPLACEMENT_CHAR not in out.text
@@ -193,31 +202,53 @@ def test_finish_flushes_half_a_character(tokenizer):
 def test_counters_and_reason_pass_through(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     reason = FinishReason(type="abort")
-    (out,) = detok.step([token_out("r", [], reason)])
+    (out,), _ = detok.step([token_out("r", [], reason)])
     assert out == ReqStrOut("r", "", [], reason, 3, 0, 0)
     assert len(detok) == 0
 
 
-def test_matched_stop_string_is_trimmed(tokenizer):
-    ids = tokenizer.encode("Answer: 42.\n\nNext", add_special_tokens=False)
-    stop = FinishReason(type="stop", matched="\n\n")
+def test_stop_string_ends_the_request_and_is_trimmed(tokenizer):
+    ids = tokenizer.encode("Answer: 42.\n\nNext line", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
-    # Whatever the last token decoded to after the stop string goes too.
-    (whole,) = detok.step([token_out("r", ids, stop)])
+    # All at once: the text stops where the stop string starts.
+    (whole,), stops = detok.step([token_out("r", ids, stop=("\n\n",))])
     assert whole.text == "Answer: 42."
+    assert whole.finished_reason == FinishReason("stop", "\n\n")
+    assert stops == [StopReq("r", "\n\n")]
 
-    # "\n\n" is two tokens: streamed one by one, the first "\n" went out before the second
-    # completed the match, so only the second can be cut.
-    end = ids.index(198) + 2
-    pieces = stream(detok, "s", [[i] for i in ids[:end]], stop)
-    assert pieces[-1] == ""
-    assert "".join(pieces) == "Answer: 42.\n"
-    assert len(detok) == 0
+
+@pytest.mark.parametrize("stop_str", ["\n\n", "42.\n", "Next", ": 4"])
+def test_stop_string_split_across_streamed_chunks(tokenizer, stop_str):
+    text = "Answer: 42.\n\nNext line and more"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    sent, stops, reason = [], [], None
+    for i in ids:  # one token a step: every stop string here spans several steps
+        (out,), new_stops = detok.step([token_out("s", [i], stop=(stop_str, "never"))])
+        sent.append(out.text)
+        stops += new_stops
+        if out.finished_reason is not None:
+            reason = out.finished_reason
+            break
+    assert "".join(sent) == text[: text.index(stop_str)]  # nothing of the stop string leaked
+    assert reason == FinishReason("stop", stop_str)
+    assert stops == [StopReq("s", stop_str)]
+    # What the scheduler still sends for it, up to its own final, is dropped.
+    late, _ = detok.step([token_out("s", [ids[-1]]), token_out("s", [], LENGTH)])
+    assert late == [] and len(detok) == 0 and not detok.stopped
+
+
+def test_held_back_text_goes_out_when_no_stop_follows(tokenizer):
+    ids = tokenizer.encode("a b c d", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.step([token_out("r", [i], stop=("c d e",))])[0][0].text for i in ids]
+    (last,), stops = detok.step([token_out("r", [], LENGTH, stop=("c d e",))])
+    assert "".join(pieces) + last.text == "a b c d" and not stops
 
 
 def test_matched_stop_token_is_not_shown(tokenizer):
     ids = tokenizer.encode("Hi there.", add_special_tokens=False)
-    (out,) = IncrementalDetokenizer(tokenizer).step(
+    (out,), _ = IncrementalDetokenizer(tokenizer).step(
         [token_out("r", ids, FinishReason(type="stop", matched=ids[-1]))]
     )
     assert out.text == "Hi there"

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from test_sampler import make_info
+from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
-from model_worker.batch import ModelWorkerBatch, SamplingBatchInfo
+from model_worker.batch import ModelWorkerBatch, PenaltyInit
 from model_worker.model_runner import ModelRunner
 from model_worker.parallel import TPGroup
 
@@ -72,12 +73,7 @@ def step(runner: ModelRunner, work: list[tuple[Seq, int]]) -> None:
         prefix_lens=prefix,
         extend_lens=extend,
         kv_slots=kv_slots,
-        sampling=SamplingBatchInfo(
-            temperatures=torch.zeros(len(work)),
-            top_ps=torch.ones(len(work)),
-            top_ks=torch.full((len(work),), -1),
-            is_all_greedy=True,
-        ),
+        sampling=make_info(len(work), temperatures=[0.0] * len(work)),
     )
     logits = runner.forward_logits(batch, rows=torch.arange(int(extend.sum())))
     for (s, n), rows in zip(work, logits.split(extend.tolist()), strict=True):
@@ -127,7 +123,11 @@ def test_prefill_and_decode_match_transformers(tiny_model, case: str) -> None:
     assert_matches_hf(hf, b)
 
 
-def test_sharded_checkpoint_and_greedy_forward(tiny_model) -> None:
+@pytest.mark.parametrize("repetition_penalty", [1.0, 1.5])
+def test_sharded_checkpoint_and_greedy_forward(tiny_model, repetition_penalty: float) -> None:
+    """Greedy decoding through ModelRunner.forward equals transformers', also with its
+    repetition penalty. The prompt prefills in two chunks: the first one's sample is discarded,
+    so it must not count as an output token."""
     path: Path = tiny_model("qwen3", max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -140,28 +140,38 @@ def test_sharded_checkpoint_and_greedy_forward(tiny_model) -> None:
         tp=TPGroup(),
         seed=0,
     )
-    prompt = [5, 17, 99, 3, 42]
+    prompt = [5, 17, 99, 3, 42, 17, 5]
+    penalty = RepetitionPenaltyLogitsProcessor(repetition_penalty)
     expected = list(prompt)
     with torch.no_grad():
         for _ in range(6):
-            expected.append(int(hf(torch.tensor([expected])).logits[0, -1].argmax()))
+            logits = hf(torch.tensor([expected])).logits[:, -1]
+            expected.append(int(penalty(torch.tensor([expected]), logits).argmax()))
     s = Seq(list(prompt), torch.arange(64, 0, -1))
-    greedy = SamplingBatchInfo(torch.zeros(1), torch.ones(1), torch.full((1,), -1), True)
     out: list[int] = []
-    while len(out) < 6:
-        n = len(s.tokens) - s.computed
+    for end in [4, *range(len(prompt), len(prompt) + 6)]:
+        emits = end >= len(prompt)
         batch = ModelWorkerBatch(
-            input_ids=torch.tensor(s.tokens[s.computed :]),
-            positions=torch.arange(s.computed, len(s.tokens)),
-            out_cache_loc=s.slots[s.computed : len(s.tokens)],
+            input_ids=torch.tensor(s.tokens[s.computed : end]),
+            positions=torch.arange(s.computed, end),
+            out_cache_loc=s.slots[s.computed : end],
             prefix_lens=torch.tensor([s.computed]),
-            extend_lens=torch.tensor([n]),
-            kv_slots=s.slots[None, : len(s.tokens)],
-            sampling=greedy,
+            extend_lens=torch.tensor([end - s.computed]),
+            kv_slots=s.slots[None, :end],
+            sampling=make_info(
+                1,
+                temperatures=[0.0],
+                repetition_penalties=[repetition_penalty],
+                emits_token=[emits],
+                output_index=[len(out)],
+                req_rows=[3],
+                penalty_inits=[PenaltyInit(0, prompt, [])] if s.computed == 0 else [],
+            ),
         )
-        token = runner.forward(batch)
+        token = runner.forward(batch).next_token_ids
         assert token.dtype == torch.int64 and token.device.type == "cpu"
-        s.computed = len(s.tokens)
-        s.tokens.append(int(token[0]))
-        out.append(int(token[0]))
+        s.computed = end
+        if emits:
+            s.tokens.append(int(token[0]))
+            out.append(int(token[0]))
     assert out == expected[len(prompt) :]

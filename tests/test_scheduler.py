@@ -63,7 +63,7 @@ def test_single_request_matches_reference():
     assert tokens_of(outs) == reference_tokens(p, 20)
     assert outs[-1].finished_reason.type == "length"
     assert sum(o.finished_reason is not None for o in outs) == 1
-    assert s.available_kv == s.config.max_total_tokens
+    assert s.kv.available == s.config.max_total_tokens
 
 
 def test_concurrent_requests_mix_prefill_and_decode():
@@ -148,7 +148,7 @@ def test_abort_frees_everything(when):
     assert outs["x"][-1].finished_reason.type == "abort"
     assert sum(o.finished_reason is not None for o in outs["x"]) == 1
     assert tokens_of(outs["keep"]) == reference_tokens(list(range(1, 20)), 30)
-    assert s.available_kv == s.config.max_total_tokens
+    assert s.kv.available == s.config.max_total_tokens
 
 
 def test_stop_token_ends_request_unless_ignore_eos():

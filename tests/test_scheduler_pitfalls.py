@@ -60,7 +60,7 @@ def test_5_no_step_writes_over_kv_a_running_request_holds():
     s = make_scheduler(pool=400, chunk=32, budget=96)
     for i in range(8):
         s.add_request(gen(f"r{i}", _prompt(30 + 7 * i, i), 25))
-    rows = s.req_to_token_pool.req_to_token
+    rows = s.kv.req_to_token_pool.req_to_token
     while s.has_unfinished():
         held = {int(x) for r in s.running for x in rows[r.req_pool_idx, : r.num_computed_tokens]}
         s.step()
@@ -108,4 +108,4 @@ def test_9_a_fresh_prefill_reserves_its_whole_length():
     s.add_request(gen("a", _prompt(64), 4))
     batch = s.get_next_batch_to_run()
     assert batch.num_tokens == 64
-    assert s.allocator.num_free == 1000 - 64
+    assert s.kv.allocator.num_free == 1000 - 64

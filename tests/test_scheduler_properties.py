@@ -3,9 +3,9 @@ force chunking and retraction, with the invariant checker on after every step.""
 
 from __future__ import annotations
 
+from fake_worker import reference_tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from fake_worker import reference_tokens
 from test_scheduler import gen, make_scheduler
 
 request = st.fixed_dictionaries(
@@ -58,7 +58,8 @@ def test_random_workloads_keep_every_invariant(requests, pool, running, chunk, b
         if step > 31 and not s.has_unfinished():
             break
     assert not s.has_unfinished(), "did not drain: deadlock or livelock"
-    assert s.available_kv == pool and s.req_to_token_pool.num_free == s.config.max_running_requests
+    assert s.kv.available == pool
+    assert s.kv.req_to_token_pool.num_free == s.config.max_running_requests
 
     for i, r in enumerate(requests):
         rid = f"r{i}"

@@ -66,7 +66,7 @@ def test_eviction_under_pressure_keeps_outputs_and_invariants():
     outs = run_to_completion(s)
     for rid, p in prompts.items():
         assert tokens_of(outs[rid]) == reference_tokens(p, 20), rid
-    assert s.stats.num_evicted_tokens > 0
+    assert s.kv.num_evicted_tokens > 0
     assert sum(outs[rid][-1].cached_tokens for rid in prompts) > 0
 
 
@@ -80,7 +80,10 @@ def test_a_retracted_request_keeps_its_prefix_for_the_recompute():
     for rid, p in prompts.items():
         assert tokens_of(outs[rid]) == reference_tokens(p, 40)
     # the recomputes were served from the tree, not recomputed from scratch
-    assert computed_tokens(s) < sum(len(p) + 39 for p in prompts.values()) + 40 * s.stats.num_retractions
+    assert (
+        computed_tokens(s)
+        < sum(len(p) + 39 for p in prompts.values()) + 40 * s.stats.num_retractions
+    )
 
 
 def test_lpm_admits_the_longest_prefix_match_first():
@@ -100,16 +103,17 @@ def test_flush_cache_empties_the_tree_only_when_idle():
     s.step()
     assert not s.flush_cache()
     run_to_completion(s)
-    assert s.tree_cache.total_size > 0
+    assert s.kv.tree_cache.total_size > 0
     assert s.flush_cache()
-    assert s.tree_cache.total_size == 0 and s.allocator.num_free == s.config.max_total_tokens
+    assert s.kv.tree_cache.total_size == 0 and s.kv.allocator.num_free == s.config.max_total_tokens
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shapes=st.lists(
         st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(1, 25), st.booleans()),
-        min_size=1, max_size=12,
+        min_size=1,
+        max_size=12,
     ),
     pool=st.integers(150, 600),
     chunk=st.integers(8, 64),
@@ -118,8 +122,9 @@ def test_flush_cache_empties_the_tree_only_when_idle():
 )
 def test_random_shared_prefix_workloads(shapes, pool, chunk, page_size, policy):
     systems = [_tokens(n, 50 + n) for n in (0, 17, 33, 64)]
-    s = make_scheduler(pool=pool, running=6, budget=96, chunk=chunk, page_size=page_size,
-                       schedule_policy=policy)
+    s = make_scheduler(
+        pool=pool, running=6, budget=96, chunk=chunk, page_size=page_size, schedule_policy=policy
+    )
     prompts = {}
     for i, (sys_idx, tail, max_new, abort) in enumerate(shapes):
         prompts[f"r{i}"] = (systems[sys_idx] + _tokens(tail, i))[:120] or [7]
@@ -133,8 +138,10 @@ def test_random_shared_prefix_workloads(shapes, pool, chunk, page_size, policy):
         finals = [o for o in outs[rid] if o.finished_reason is not None]
         assert len(finals) == 1
         got, expected = tokens_of(outs[rid]), reference_tokens(prompts[rid], max_new)
-        assert got == (expected if finals[0].finished_reason.type != "abort" else expected[: len(got)])
-    assert s.available_kv == pool
+        assert got == (
+            expected if finals[0].finished_reason.type != "abort" else expected[: len(got)]
+        )
+    assert s.kv.available == pool
 
 
 def test_requests_arriving_together_compute_their_shared_prefix_once():

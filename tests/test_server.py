@@ -123,12 +123,20 @@ BAD_REQUESTS = [
     (b"\xc1 not msgpack", "MessagePack"),
     (msgspec.msgpack.encode([1, 2, 3]), "object"),
     (msgspec.msgpack.encode({"type": "launch_missiles"}), "type"),
-    (msgspec.msgpack.encode({"type": "generate", "text": "hi",
-                             "sampling_params": {"max_new_tokens": -1}}), "max_new_tokens"),
+    (
+        msgspec.msgpack.encode(
+            {"type": "generate", "text": "hi", "sampling_params": {"max_new_tokens": -1}}
+        ),
+        "max_new_tokens",
+    ),
     (msgspec.msgpack.encode({"type": "generate", "text": ""}), "text"),
     (msgspec.msgpack.encode({"type": "generate", "input_ids": []}), "input_ids"),
-    (msgspec.msgpack.encode({"type": "generate", "text": "hi",
-                             "sampling_params": {"temprature": 0}}), "temprature"),
+    (
+        msgspec.msgpack.encode(
+            {"type": "generate", "text": "hi", "sampling_params": {"temprature": 0}}
+        ),
+        "temprature",
+    ),
     (msgspec.msgpack.encode({"type": "generate", "input_ids": [1, 10**9]}), "input_ids"),
 ]
 

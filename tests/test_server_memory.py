@@ -30,8 +30,14 @@ async def _generate_all(address: str, prompts: list[list[int]], max_new: int) ->
 @pytest.fixture(scope="module")
 def solo_server():
     """A roomy server that runs one request at a time: the reference."""
-    with launched_server("--dtype", "float32", "--max-running-requests", "1",
-                         "--disable-radix-cache", "--check-invariants") as s:
+    with launched_server(
+        "--dtype",
+        "float32",
+        "--max-running-requests",
+        "1",
+        "--disable-radix-cache",
+        "--check-invariants",
+    ) as s:
         yield s
 
 
@@ -41,15 +47,20 @@ def _solo(server, prompt: list[int], max_new: int) -> list[int]:
     return out.output_ids
 
 
-def test_retraction_under_a_tiny_kv_pool_keeps_every_output(solo_server):
-    prompts = [_prompt(random.Random(i).randrange(60, 100), i) for i in range(16)]
+def test_retraction_and_eviction_under_a_tiny_kv_pool_keep_every_output(solo_server):
+    shared = _prompt(40, 99)  # half the prompts share it: the tree holds it under pressure
+    prompts = [
+        (shared if i % 2 else []) + _prompt(random.Random(i).randrange(30, 60), i)
+        for i in range(16)
+    ]
     max_new = 48
-    with launched_server("--dtype", "float32", "--max-total-tokens", "640",
-                         "--check-invariants") as s:
+    with launched_server(
+        "--dtype", "float32", "--max-total-tokens", "640", "--check-invariants"
+    ) as s:
         outs = asyncio.run(_generate_all(s.address, prompts, max_new))
         with Client(s.address, timeout=60) as c:
             info = c.server_info()
-    assert info.num_retractions > 0
+    assert info.num_retractions > 0 and info.num_evicted_tokens > 0
     for prompt, out in zip(prompts, outs):
         assert out.finished and len(out.output_ids) == max_new
         assert out.output_ids == _solo(solo_server, prompt, max_new)
@@ -57,8 +68,14 @@ def test_retraction_under_a_tiny_kv_pool_keeps_every_output(solo_server):
 
 def test_long_prompt_is_chunked_while_others_decode(solo_server):
     long_prompt, short_prompt = _prompt(700, 1), _prompt(20, 2)
-    with launched_server("--dtype", "float32", "--chunked-prefill-size", "128",
-                         "--disable-radix-cache", "--check-invariants") as s:
+    with launched_server(
+        "--dtype",
+        "float32",
+        "--chunked-prefill-size",
+        "128",
+        "--disable-radix-cache",
+        "--check-invariants",
+    ) as s:
 
         async def run():
             loop = asyncio.get_running_loop()
@@ -92,12 +109,14 @@ def test_long_prompt_is_chunked_while_others_decode(solo_server):
 def test_shared_prefix_is_served_from_the_cache(solo_server):
     system = _prompt(200, 7)
     a, b = system + _prompt(12, 8), system + _prompt(12, 9)
-    with launched_server("--dtype", "float32", "--check-invariants") as s:
-        with Client(s.address, timeout=600) as c:
-            params = {**GREEDY, "max_new_tokens": 16}
-            out_a = c.generate(input_ids=a, sampling_params=params)
-            out_b = c.generate(input_ids=b, sampling_params=params)
-            info = c.server_info()
+    params = {**GREEDY, "max_new_tokens": 16}
+    with (
+        launched_server("--dtype", "float32", "--check-invariants") as s,
+        Client(s.address, timeout=600) as c,
+    ):
+        out_a = c.generate(input_ids=a, sampling_params=params)
+        out_b = c.generate(input_ids=b, sampling_params=params)
+        info = c.server_info()
     assert out_b.meta_info.cached_tokens >= 192
     assert info.cache_hit_rate > 0
     assert out_a.output_ids == _solo(solo_server, a, 16)

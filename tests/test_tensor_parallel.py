@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_sampler import make_info
 
-from model_worker.batch import ModelWorkerBatch, SamplingBatchInfo
+from model_worker.batch import ModelWorkerBatch
 from model_worker.model_runner import ModelRunner
 from model_worker.parallel import TPGroup
 
@@ -34,7 +35,7 @@ def make_batch(lens: list[tuple[int, int]], slots: torch.Tensor) -> ModelWorkerB
         prefix_lens=prefix,
         extend_lens=extend,
         kv_slots=kv_slots,
-        sampling=SamplingBatchInfo(torch.zeros(0), torch.zeros(0), torch.zeros(0), True),
+        sampling=make_info(0),
     )
 
 

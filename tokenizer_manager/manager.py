@@ -26,6 +26,7 @@ from protocol.internal import (
     FlushCacheReq,
     HealthOut,
     HealthReq,
+    Logprob,
     ReqError,
     ReqStrOut,
     ServerInfoOut,
@@ -58,11 +59,19 @@ Envelope = list[bytes]
 
 @dataclass(slots=True)
 class ReqState:
+    """One completion in flight. A request with n > 1 has n of them, each its own scheduler
+    request (rid "client-rid/index"), all answering under the client's rid."""
+
     envelope: Envelope
     stream: bool
+    client_rid: str
+    index: int | None  # which of the n completions; None when n == 1
     created: float = field(default_factory=time.monotonic)
-    text: list[str] = field(default_factory=list)  # non-streaming: pieces until finished
+    # Non-streaming: the pieces until finished.
+    text: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[Logprob] = field(default_factory=list)
+    top_logprobs: list[list[Logprob]] = field(default_factory=list)
 
 
 class TokenizerManager:
@@ -76,11 +85,14 @@ class TokenizerManager:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind(f"tcp://{args.host}:{args.port}")
         self.send_to_scheduler = transport.connect_push(ctx, ipc_dir, transport.SCHEDULER_INPUT)
-        self.recv_from_backend = transport.bind_pull(ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT)
+        self.recv_from_backend = transport.bind_pull(
+            ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
+        )
         self.client_decoder = msgspec.msgpack.Decoder(ClientRequest)
         self.encoder = msgspec.msgpack.Encoder()
         self.codec = transport.Codec(TokenizerManagerInput)
-        self.rid_states: dict[str, ReqState] = {}
+        self.rid_states: dict[str, ReqState] = {}  # by scheduler rid
+        self.completions: dict[str, list[str]] = {}  # client rid -> its scheduler rids in flight
         self.pending_queries: dict[int, Envelope] = {}
         self.query_ids = itertools.count()
 
@@ -115,9 +127,10 @@ class TokenizerManager:
             case GenerateRequest():
                 await self.handle_generate(envelope, req)
             case AbortRequest(rid=rid):
-                if rid not in self.rid_states:
+                if rid not in self.completions:
                     raise _ClientError("not_found", f"no request {rid!r} is in flight", rid)
-                await self.send_to_scheduler.send(self.codec.encode(AbortReq(rid)))
+                for sub_rid in self.completions[rid]:
+                    await self.send_to_scheduler.send(self.codec.encode(AbortReq(sub_rid)))
             case ModelInfoRequest():
                 await self.reply(envelope, self.model_info())
             case HealthRequest():
@@ -129,19 +142,31 @@ class TokenizerManager:
 
     async def handle_generate(self, envelope: Envelope, req: GenerateRequest) -> None:
         rid = req.rid or uuid.uuid4().hex
-        if rid in self.rid_states:
+        if rid in self.completions:
             raise _ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
         try:
-            self.tokenization.check_supported(req)
             input_ids = self.tokenization.input_ids(req)
         except ValueError as e:
             raise _ClientError("invalid_request", str(e), rid) from None
-        self.rid_states[rid] = ReqState(envelope, req.stream)
-        msg = TokenizedGenerateReq(
-            rid, input_ids, req.sampling_params, req.stream, req.return_logprob,
-            req.top_logprobs_num,
-        )
-        await self.send_to_scheduler.send(self.codec.encode(msg))
+        n = req.sampling_params.n
+        sub_rids = [rid] if n == 1 else [f"{rid}/{i}" for i in range(n)]
+        self.completions[rid] = list(sub_rids)
+        for i, sub_rid in enumerate(sub_rids):
+            params = req.sampling_params
+            if n > 1:
+                # Each completion samples on its own; seeded ones stay reproducible (seed + i).
+                seed = None if params.seed is None else params.seed + i
+                params = msgspec.structs.replace(params, n=1, seed=seed)
+            self.rid_states[sub_rid] = ReqState(envelope, req.stream, rid, i if n > 1 else None)
+            msg = TokenizedGenerateReq(
+                sub_rid,
+                input_ids,
+                params,
+                req.stream,
+                req.return_logprob,
+                req.top_logprobs_num,
+            )
+            await self.send_to_scheduler.send(self.codec.encode(msg))
 
     async def forward_query(self, envelope: Envelope, query_type: type) -> None:
         qid = next(self.query_ids)
@@ -168,9 +193,7 @@ class TokenizerManager:
                     for out in outs:
                         await self.handle_output(out)
                 case ReqError(rid=rid, code=code, message=message):
-                    state = self.rid_states.pop(rid, None)
-                    if state is not None:
-                        await self.reply(state.envelope, ErrorReply(code, message, rid=rid))
+                    await self.handle_error(rid, code, message)
                 case ServerInfoOut(query_id=qid, info=info):
                     await self.answer_query(qid, info)
                 case FlushCacheOut(query_id=qid, success=ok, message=message):
@@ -183,23 +206,52 @@ class TokenizerManager:
         if state is None:
             return
         finished = out.finished_reason is not None
-        if not state.stream:
+        if finished:
+            self._forget(out.rid, state)
+        if state.stream:
+            text, ids = out.text, out.new_token_ids
+            token_logprobs, top_logprobs = out.output_token_logprobs, out.output_top_logprobs
+        else:
             state.text.append(out.text)
             state.output_ids += out.new_token_ids
+            state.token_logprobs += out.output_token_logprobs or []
+            state.top_logprobs += out.output_top_logprobs or []
             if not finished:
                 return
-        if finished:
-            del self.rid_states[out.rid]
+            text, ids = "".join(state.text), state.output_ids
+            token_logprobs = state.token_logprobs if out.output_token_logprobs is not None else None
+            top_logprobs = state.top_logprobs if out.output_top_logprobs is not None else None
         meta = MetaInfo(
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
             finish_reason=out.finished_reason,
             e2e_latency=time.monotonic() - state.created,
+            output_token_logprobs=token_logprobs,
+            output_top_logprobs=top_logprobs,
         )
-        text, ids = (out.text, out.new_token_ids) if state.stream else (
-            "".join(state.text), state.output_ids)
-        await self.reply(state.envelope, OutputReply(out.rid, text, ids, finished, meta))
+        reply = OutputReply(state.client_rid, text, ids, finished, meta, index=state.index)
+        await self.reply(state.envelope, reply)
+
+    async def handle_error(self, sub_rid: str, code: str, message: str) -> None:
+        """The scheduler refused a request: one error for the client's whole request, and its
+        other completions (n > 1) are aborted."""
+        state = self.rid_states.get(sub_rid)
+        if state is None:
+            return
+        siblings = list(self.completions[state.client_rid])
+        for other in siblings:
+            self._forget(other, self.rid_states[other])
+            if other != sub_rid:
+                await self.send_to_scheduler.send(self.codec.encode(AbortReq(other)))
+        await self.reply(state.envelope, ErrorReply(code, message, rid=state.client_rid))
+
+    def _forget(self, sub_rid: str, state: ReqState) -> None:
+        del self.rid_states[sub_rid]
+        remaining = self.completions[state.client_rid]
+        remaining.remove(sub_rid)
+        if not remaining:
+            del self.completions[state.client_rid]
 
     async def answer_query(self, qid: int, reply: msgspec.Struct) -> None:
         envelope = self.pending_queries.pop(qid, None)

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from protocol.wire import GenerateRequest, SamplingParams
-
-# Sampling features the wire format names but this server does not implement yet: refusing them
-# beats silently ignoring them.
-_NOT_YET_SUPPORTED = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
-                      "stop", "seed", "n")
-_DEFAULTS = SamplingParams()
+from protocol.wire import GenerateRequest
 
 
 class Tokenization:
@@ -19,12 +13,10 @@ class Tokenization:
         self.vocab_size = vocab_size
 
     def input_ids(self, req: GenerateRequest) -> list[int]:
+        """The prompt's token ids; ValueError naming the field for ids outside the vocabulary."""
+        self._check_ids("sampling_params.stop_token_ids", req.sampling_params.stop_token_ids)
         if req.input_ids is not None:
-            bad = next((t for t in req.input_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(
-                    f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})"
-                )
+            self._check_ids("input_ids", req.input_ids)
             return req.input_ids
         if req.messages is not None:
             if self.tokenizer.chat_template is None:
@@ -38,11 +30,7 @@ class Tokenization:
             return self.tokenizer(text, add_special_tokens=False).input_ids
         return self.tokenizer(req.text).input_ids
 
-    @staticmethod
-    def check_supported(req: GenerateRequest) -> None:
-        params = req.sampling_params
-        for name in _NOT_YET_SUPPORTED:
-            if getattr(params, name) != getattr(_DEFAULTS, name):
-                raise ValueError(f"sampling_params.{name} is not supported yet")
-        if req.return_logprob or req.top_logprobs_num:
-            raise ValueError("return_logprob is not supported yet")
+    def _check_ids(self, field: str, ids: list[int]) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field} holds {bad}, outside the vocabulary [0, {self.vocab_size})")
