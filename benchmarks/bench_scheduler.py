@@ -35,8 +35,9 @@ class InstantWorker:
         return out
 
 
-def measure(running: int, steps: int) -> float:
-    """Scheduler µs per decode step with `running` requests, the forward excluded."""
+def measure(running: int, steps: int, stream: bool = True) -> float:
+    """Scheduler µs per decode step with `running` requests, the forward excluded. stream: every
+    request hands its token to the detokenizer every step (else only when it finishes)."""
     worker = InstantWorker()
     config = SchedulerConfig(
         max_total_tokens=running * (PROMPT_LEN + steps + 8),
@@ -49,7 +50,7 @@ def measure(running: int, steps: int) -> float:
     s = Scheduler(config, worker)
     params = SamplingParams(max_new_tokens=steps + 4, temperature=0, ignore_eos=True)
     for i in range(running):
-        s.add_request(TokenizedGenerateReq(f"r{i}", [5] * PROMPT_LEN, params, stream=True))
+        s.add_request(TokenizedGenerateReq(f"r{i}", [5] * PROMPT_LEN, params, stream=stream))
     while s.waiting or any(not r.is_decoding for r in s.running):
         s.step()  # admit and prefill everyone first
     worker.seconds = 0.0
@@ -87,11 +88,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"decode steps, forward excluded, torch threads {args.threads}\n")
-    print("| running | µs / step | µs / request | seed build_meta µs / step | ours / seed |")
-    print("|---|---|---|---|---|")
+    print(
+        "| running | µs / step, streaming | µs / request | µs / step, not streaming "
+        "| seed build_meta µs / step | ours (streaming) / seed |"
+    )
+    print("|---|---|---|---|---|---|")
     for n in args.running:
-        ours, seed = measure(n, args.steps), measure_seed_build_meta(n, args.steps)
-        print(f"| {n} | {ours:.0f} | {ours / n:.2f} | {seed:.0f} | {ours / seed:.2f}x |")
+        ours, quiet = measure(n, args.steps), measure(n, args.steps, stream=False)
+        seed = measure_seed_build_meta(n, args.steps)
+        print(
+            f"| {n} | {ours:.0f} | {ours / n:.2f} | {quiet:.0f} | {seed:.0f} | {ours / seed:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ skipped: an all-greedy batch without penalties or logprobs is one argmax.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from model_worker.batch import SampleOutput, SamplingBatchInfo
@@ -40,6 +42,11 @@ class Sampler:
         return _with_logprobs(logits, tokens, info)
 
 
+# Top-k / top-p filter among this many likeliest tokens instead of sorting the whole vocabulary,
+# whenever that is exact (see _filter): natural distributions put a top_p nucleus well inside.
+FILTER_CANDIDATES = 1024
+
+
 def sample_tokens(
     logits: torch.Tensor, info: SamplingBatchInfo, generator: torch.Generator | None = None
 ) -> torch.Tensor:
@@ -47,40 +54,88 @@ def sample_tokens(
 
     Rows with temperature 0 take the argmax. top_k keeps the k likeliest tokens (-1: all);
     top_p then keeps the smallest set of those whose renormalised probability reaches top_p;
-    min_p then drops tokens less likely than min_p times the likeliest one.
+    min_p then drops tokens less likely than min_p times the likeliest one. Only the rows that
+    sample pay for any of it.
     """
     device = logits.device
-    greedy = info.temperatures <= 0
-    temperatures = torch.where(greedy, 1.0, info.temperatures).to(device)
-    probs = torch.softmax(logits / temperatures[:, None], dim=-1)
-    # Decided on the CPU copies, so no device sync: most batches filter nothing and skip the sort.
-    if bool((((info.top_ks > 0) | (info.top_ps < 1)) & ~greedy).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        sorted_probs = _top_k_top_p(sorted_probs, info.top_ks.to(device), info.top_ps.to(device))
-        # Back to token order: seeded noise is keyed by token id, not by rank.
-        probs = torch.empty_like(probs).scatter_(1, order, sorted_probs)
-    if info.has_min_p:
+    tokens = logits.argmax(dim=-1)
+    sampling = (info.temperatures > 0).nonzero()[:, 0]  # CPU: decided without a device sync
+    if sampling.numel() == 0:
+        return tokens
+    rows = _rows(info, sampling)
+    on_device = sampling.to(device)
+    probs = torch.softmax(logits[on_device] / rows.temperatures.to(device)[:, None], dim=-1)
+    if bool(((rows.top_ks > 0) | (rows.top_ps < 1)).any()):
+        probs = _filter(probs, rows.top_ks.to(device), rows.top_ps.to(device))
+    if bool((rows.min_ps > 0).any()):
         # The likeliest token always survives top_k and top_p, so its probability is the max
         # before and after them: renormalising would not change which tokens min_p drops.
-        threshold = info.min_ps.to(device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        threshold = rows.min_ps.to(device)[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < threshold, 0.0)
-    sampled = _draw(probs, _exponential_noise(probs, info, generator))
-    return torch.where(greedy.to(device), logits.argmax(dim=-1), sampled)
+    tokens[on_device] = _draw(probs, _exponential_noise(probs, rows, generator))
+    return tokens
+
+
+@dataclass(slots=True)
+class _Rows:
+    """The sampling rows' parameters (CPU)."""
+
+    temperatures: torch.Tensor
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
+    min_ps: torch.Tensor
+    seeds: torch.Tensor
+    seeded: torch.Tensor
+    output_index: torch.Tensor
+
+
+def _rows(info: SamplingBatchInfo, idx: torch.Tensor) -> _Rows:
+    return _Rows(
+        info.temperatures[idx],
+        info.top_ks[idx],
+        info.top_ps[idx],
+        info.min_ps[idx],
+        info.seeds[idx],
+        info.seeded[idx],
+        info.output_index[idx],
+    )
+
+
+def _filter(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Zero what top_k and top_p filter out, in token order.
+
+    Among the K likeliest tokens (one topk, O(V)) when that is exact: each row's top_k fits in
+    K, and a row without top_k has top_p of its mass in them, so its nucleus lies inside. Else
+    a full sort. Either way the filter sees the candidates in descending order.
+    """
+    vocab = probs.shape[-1]
+    k = min(vocab, max(FILTER_CANDIDATES, int(top_ks.max())))
+    values, order = probs.topk(k, dim=-1) if k < vocab else probs.sort(dim=-1, descending=True)
+    total = torch.ones_like(top_ps)  # the rows' whole mass: softmax output sums to 1
+    unfiltered = (top_ks <= 0) & (top_ps >= 1)  # rows in a filtered batch that keep everything
+    nucleus_rows = (top_ks <= 0) & ~unfiltered
+    if k < vocab and bool((nucleus_rows & (values.sum(-1) < top_ps)).any()):
+        values, order = probs.sort(dim=-1, descending=True)
+    kept = _top_k_top_p(values, top_ks, top_ps, total)
+    # Back to token order: seeded noise is keyed by token id, not by rank.
+    filtered = torch.zeros_like(probs).scatter_(1, order, kept)
+    return torch.where(unfiltered[:, None], probs, filtered)
 
 
 def _top_k_top_p(
-    sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+    sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, total: torch.Tensor
 ) -> torch.Tensor:
-    """Zero the probabilities (sorted, descending) that top_k or top_p filter out."""
-    vocab = sorted_probs.shape[-1]
-    ranks = torch.arange(vocab, device=sorted_probs.device)
-    k = torch.where(top_ks > 0, top_ks, vocab)
+    """Zero the probabilities (descending; the K likeliest, or all) that top_k or top_p filter
+    out. `total`: each row's whole mass, for rows without top_k."""
+    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
+    k = torch.where(top_ks > 0, top_ks, sorted_probs.shape[-1])
     kept = sorted_probs.masked_fill(ranks[None, :] >= k[:, None], 0.0)
     cumulative = kept.cumsum(dim=-1)
     # A token stays if the likelier tokens before it do not already reach top_p of the mass
-    # top_k left; the first token always stays.
+    # top_k left (all of it without top_k); the first token always stays.
+    mass = torch.where(top_ks > 0, cumulative[:, -1], total)
     before = cumulative - kept
-    return kept.masked_fill(before >= top_ps[:, None] * cumulative[:, -1:], 0.0)
+    return kept.masked_fill(before >= top_ps[:, None] * mass[:, None], 0.0)
 
 
 def _draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -94,7 +149,7 @@ def _draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def _exponential_noise(
-    probs: torch.Tensor, info: SamplingBatchInfo, generator: torch.Generator | None
+    probs: torch.Tensor, info: _Rows, generator: torch.Generator | None
 ) -> torch.Tensor:
     """Exp(1) noise shaped like `probs`: from `generator` for unseeded rows; for seeded rows a
     function of (seed, output_index, token id) only, so their draws do not depend on the rest

@@ -37,10 +37,31 @@ class Req:
     prefix_len: int = 0  # leading tokens whose KV slots the radix tree owns
     last_node: TreeNode | None = None  # the tree node ending at prefix_len, locked while running
     new_row: bool = False  # first step in its row: the worker (re)builds its penalty state
+    # The request's sampling parameters as SamplingBatchInfo columns, built once (__post_init__).
+    sampling_floats: tuple[float, ...] = ()
+    sampling_ints: tuple[int, ...] = ()
+    seeded: bool = False
+    penalized: bool = False
     finished_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # outputs already handed to the detokenizer
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        p = self.sampling_params
+        self.sampling_floats = (
+            p.temperature,
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+        )
+        self.sampling_ints = (p.top_k, p.seed or 0, self.top_logprobs_num)
+        self.seeded = p.seed is not None
+        self.penalized = (
+            p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -77,10 +98,13 @@ class Req:
             return self.output_ids[start - n_in : end - n_in]
         return self.origin_input_ids[start:] + self.output_ids[: end - n_in]
 
-    def check_finished(self, context_len: int) -> None:
-        """After a new output token: stop token, max_new_tokens, or the context limit."""
-        last = self.output_ids[-1]
+    def check_finished(self, last: int, context_len: int) -> None:
+        """After a new output token `last`: stop token, max_new_tokens, or the context limit."""
+        n_out = len(self.output_ids)
         if last in self.stop_token_ids:
             self.finished_reason = FinishReason("stop", last)
-        elif self.remaining_new_tokens <= 0 or self.num_tokens >= context_len:
+        elif (
+            n_out >= self.sampling_params.max_new_tokens
+            or len(self.origin_input_ids) + n_out >= context_len
+        ):
             self.finished_reason = FinishReason("length")

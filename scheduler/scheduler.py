@@ -26,6 +26,9 @@ from scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger("radixserve.scheduler")
 
+# One request's share of a step: (request, tokens it computes, whether it then emits a token).
+Planned = tuple[Req, int, bool]
+
 # After a retraction, assume each running request still needs this many decode steps (SGLang).
 RETRACT_DECODE_STEPS = 20
 # Past this many waiting requests, lpm's prefix matching costs more than it saves (SGLang).
@@ -157,16 +160,17 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         plan, num_decodes, retracted = self._plan_running()
         if self.waiting and not retracted:
-            plan += self._admit_waiting(sum(n for _, n in plan))
+            plan += self._admit_waiting(sum(n for _, n, _ in plan))
         if not plan:
             return None
-        out_cache_loc = self.kv.alloc(sum(n for _, n in plan))
+        out_cache_loc = self.kv.alloc(sum(n for _, n, _ in plan))
         assert out_cache_loc is not None, "planning left too few free KV slots"
-        reqs = [r for r, _ in plan]
+        reqs = [r for r, _, _ in plan]
         return ScheduleBatch(
             reqs=reqs,
             prefix_lens=[r.num_computed_tokens for r in reqs],
-            extend_lens=[n for _, n in plan],
+            extend_lens=[n for _, n, _ in plan],
+            emits=[emits for _, _, emits in plan],
             out_cache_loc=out_cache_loc,
             num_decodes=num_decodes,
         )
@@ -183,17 +187,18 @@ class Scheduler:
         stats.num_steps += 1
         stats.num_mixed_steps += batch.is_mixed
         stats.num_prefill_tokens += batch.num_tokens - batch.num_decodes
-        for req, prefix, extend, token in zip(
-            batch.reqs, batch.prefix_lens, batch.extend_lens, next_token_ids
+        context_len = self.config.context_len
+        for req, prefix, extend, emits, token in zip(
+            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.emits, next_token_ids
         ):
             req.num_computed_tokens = prefix + extend
-            if req.num_computed_tokens < req.num_tokens:
+            if not emits:
                 self.kv.cache_unfinished(req)  # a prefill chunk: later requests may share it
                 continue  # its sampled token predicts nothing yet
             req.output_ids.append(token)
             stats.gen_tokens_since_log += 1
-            req.check_finished(self.config.context_len)
-            if req.finished:
+            req.check_finished(token, context_len)
+            if req.finished_reason is not None:
                 self.running.remove(req)
                 self.kv.release(req)
                 self._emit(req)
@@ -216,10 +221,8 @@ class Scheduler:
         top_values = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
         tokens = result.next_token_ids.tolist()
-        for i, (req, prefix, extend) in enumerate(
-            zip(batch.reqs, batch.prefix_lens, batch.extend_lens)
-        ):
-            if not req.return_logprob or prefix + extend < req.num_tokens:
+        for i, (req, emits) in enumerate(zip(batch.reqs, batch.emits)):
+            if not req.return_logprob or not emits:
                 continue
             req.output_token_logprobs.append((token_logprobs[i], tokens[i]))
             if req.top_logprobs_num:
@@ -228,27 +231,27 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------------------
 
-    def _plan_running(self) -> tuple[list[tuple[Req, int]], int, bool]:
+    def _plan_running(self) -> tuple[list[Planned], int, bool]:
         """Tokens each running request computes this step: decodes 1 each, then prefill chunks
         in the budget left. Retracts requests until the plan's KV fits. Returns the plan, how
         many of it are decodes, and whether anything was retracted."""
         retracted = False
         while True:
-            plan: list[tuple[Req, int]] = []
+            plan: list[Planned] = []
             prefilling: list[tuple[Req, int]] = []
             num_decodes = 0
             for req in self.running:
                 n = req.num_uncomputed_tokens
                 if n == 1:
-                    plan.append((req, 1))
+                    plan.append((req, 1, True))
                     num_decodes += bool(req.output_ids)
                 else:
                     prefilling.append((req, n))
             budget = self.config.max_prefill_tokens - len(plan)
-            for req, n in prefilling:
-                n = min(n, self.config.chunked_prefill_size, budget)
+            for req, uncomputed in prefilling:
+                n = min(uncomputed, self.config.chunked_prefill_size, budget)
                 if n > 0:
-                    plan.append((req, n))
+                    plan.append((req, n, n == uncomputed))
                     budget -= n
             if self.config.max_prefill_tokens - budget <= self.kv.available:
                 return plan, num_decodes, retracted
@@ -275,7 +278,7 @@ class Scheduler:
             self.new_token_ratio.value,
         )
 
-    def _admit_waiting(self, running_tokens: int) -> list[tuple[Req, int]]:
+    def _admit_waiting(self, running_tokens: int) -> list[Planned]:
         if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
             self._sort_waiting_by_prefix_match()
         ratio = self.new_token_ratio.value
@@ -287,7 +290,7 @@ class Scheduler:
             running_slots=self.config.max_running_requests - len(self.running),
             ratio=ratio,
         )
-        admitted: list[tuple[Req, int]] = []
+        admitted: list[Planned] = []
         while self.waiting:
             req = self.waiting[0]
             available = self.kv.available
@@ -304,13 +307,13 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.assign_row(req, prefix_slots)
             self.running.append(req)
-            admitted.append((req, n))
+            admitted.append((req, n, n == req.num_uncomputed_tokens))
             cached_prompt = min(req.prefix_len, len(req.origin_input_ids))
             req.cached_tokens = max(req.cached_tokens, cached_prompt)
             self.stats.cached_tokens += cached_prompt
         return admitted
 
-    def _shares_uncached_prefix(self, req: Req, admitted: list[tuple[Req, int]]) -> bool:
+    def _shares_uncached_prefix(self, req: Req, admitted: list[Planned]) -> bool:
         if self.kv.tree_cache is None or not admitted:
             return False
         # Worth a step of waiting: a long shared span, or all it would compute but the one token
@@ -322,7 +325,7 @@ class Scheduler:
         return any(
             common_prefix_len(tokens, other.token_slice(0, other.num_tokens), 1)
             >= req.prefix_len + threshold
-            for other, _ in admitted
+            for other, _, _ in admitted
         )
 
     def _sort_waiting_by_prefix_match(self) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from model_worker.batch import PenaltyInit, SamplingBatchInfo
-from model_worker.sampler import Sampler, mix64
+from model_worker.sampler import Sampler, _filter, mix64
 
 VOCAB = 50
 CPU = torch.device("cpu")
@@ -272,3 +273,34 @@ def _splitmix64_finaliser(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return z ^ (z >> 31)
+
+
+def _reference_kept(probs: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """float64, one row, the whole vocabulary sorted: the set top_k then top_p keep."""
+    p = probs.double()
+    order = p.argsort(descending=True).tolist()
+    if top_k > 0:
+        order = order[:top_k]
+    if top_p >= 1:
+        return set(order)  # top_p 1 filters nothing
+    mass = sum(p[i].item() for i in order)
+    kept, before = set(), 0.0
+    for i in order:
+        if before < top_p * mass:
+            kept.add(i)
+        before += p[i].item()
+    return kept
+
+
+@pytest.mark.parametrize("sharpness", [8.0, 0.05])  # a peaked row, and a nearly flat one
+def test_filter_on_a_large_vocabulary_keeps_the_reference_set(sharpness) -> None:
+    vocab = 5000  # larger than FILTER_CANDIDATES: the topk path, or its full-sort fallback
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * sharpness
+    probs = torch.softmax(logits, dim=-1)
+    top_ks = torch.tensor([-1, -1, 40, 2000, -1, 1])
+    top_ps = torch.tensor([0.9, 0.5, 0.8, 0.95, 1.0, 0.3])
+    kept = _filter(probs, top_ks, top_ps)
+    for row in range(6):
+        got = set(kept[row].nonzero()[:, 0].tolist())
+        assert got == _reference_kept(probs[row], int(top_ks[row]), float(top_ps[row])), row
+        assert torch.equal(kept[row][list(got)], probs[row][list(got)])
