@@ -14,6 +14,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+import zmq
+
 from client.sync_client import Client
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -89,3 +92,20 @@ def _wait_healthy(server: LaunchedServer, timeout: float) -> None:
             except TimeoutError:
                 continue
     raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()[-4000:]}")
+
+
+def raw_round_trip(address: str, payload: bytes, timeout_ms: int = 30_000) -> dict:
+    """Send raw bytes as one request over a fresh DEALER and decode the one reply: for tests of
+    what the server does with malformed or invalid requests that Client would refuse to build."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send(payload)
+        if not sock.poll(timeout_ms):
+            raise TimeoutError(f"no reply within {timeout_ms} ms")
+        return msgspec.msgpack.decode(sock.recv())
+    finally:
+        sock.close()
+        ctx.term()

@@ -62,7 +62,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.sampler = Sampler(config.vocab_size, device, seed)
+        self.sampler = Sampler(device, seed)
         logger.info(
             "Loaded %s (%s, %s, TP rank %d/%d): KV pool of %d tokens, %.2f GB",
             config.architecture,

@@ -1,40 +1,24 @@
-"""Repetition, frequency and presence penalties, from per-request token counts kept on the worker.
+"""Repetition, frequency and presence penalties, from the tokens each request has seen.
 
-State is keyed by the request's ReqToTokenPool row. A request's first step in a row carries a
+State is keyed by the request's ReqToTokenPool row and sparse: the distinct tokens of its prompt
+and output, with how often each appeared in the output. A request's first step in a row carries a
 PenaltyInit and the row is rebuilt from its tokens then; after that only each step's emitted
-token is added, so no step re-reads or re-pads a request's history.
+token is added. Applying reads and writes the logits at those tokens only, never a pass over the
+vocabulary: a request sees hundreds of distinct tokens, the vocabulary has 10^5.
+
+Repetition as transformers' RepetitionPenaltyLogitsProcessor, on tokens of the prompt or the
+output: a positive logit is divided by it, any other multiplied. Then, as in OpenAI, vLLM and
+SGLang, frequency * count + presence * (count > 0) is subtracted for output tokens. Repetition
+goes first, as in vLLM, so it scales the model's logit rather than an already shifted one.
 """
 
 from __future__ import annotations
 
-import itertools
+from dataclasses import dataclass
 
 import torch
 
-from model_worker.batch import PenaltyInit, SamplingBatchInfo
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    output_counts: torch.Tensor,
-    in_prompt: torch.Tensor,
-    repetition: torch.Tensor,
-    frequency: torch.Tensor,
-    presence: torch.Tensor,
-) -> torch.Tensor:
-    """Penalised logits float32 [N, V], from raw logits [N, V], each row's output token counts
-    (int32 [N, V]), prompt-token mask (bool [N, V]) and penalties (float32 [N]).
-
-    Repetition as transformers' RepetitionPenaltyLogitsProcessor, on tokens of the prompt or the
-    output: a positive logit is divided by it, any other multiplied. Then, as in OpenAI, vLLM and
-    SGLang, frequency * count + presence * (count > 0) is subtracted for output tokens. Repetition
-    goes first, as in vLLM, so it scales the model's logit rather than an already shifted one.
-    """
-    in_output = output_counts > 0
-    rep = repetition[:, None]
-    scaled = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(in_prompt | in_output, scaled, logits)
-    return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
+from model_worker.batch import SamplingBatchInfo
 
 
 def penalised_rows(info: SamplingBatchInfo) -> torch.Tensor:
@@ -47,19 +31,47 @@ def penalised_rows(info: SamplingBatchInfo) -> torch.Tensor:
     return on.nonzero()[:, 0]
 
 
-class PenaltyState:
-    """Per ReqToTokenPool row: how often each token appeared in the request's output, and whether
-    it appeared in its prompt. Nothing is allocated until a penalised request appears, and the
-    rows grow to cover the highest penalised row seen; unpenalised requests' rows are never read
-    or written (a penalised request moving into one rebuilds it from its PenaltyInit)."""
+@dataclass(slots=True)
+class SeenTokens:
+    """The distinct tokens of one request's prompt and output so far (CPU)."""
 
-    def __init__(self, vocab_size: int, device: torch.device):
-        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
-        self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+    ids: torch.Tensor  # int64 [S], ascending
+    output_counts: torch.Tensor  # int32 [S]: occurrences in the output, 0 for prompt-only tokens
+
+    @classmethod
+    def of(cls, prompt_ids: list[int], output_ids: list[int]) -> SeenTokens:
+        tokens = torch.tensor(prompt_ids + output_ids, dtype=torch.int64)
+        ids, inverse = torch.unique(tokens, return_inverse=True)
+        counts = torch.bincount(inverse[len(prompt_ids) :], minlength=ids.numel())
+        return cls(ids, counts.to(torch.int32))
+
+    def add(self, token: int) -> None:
+        """Count one more output token, inserting it in order if it is new."""
+        at = int(torch.searchsorted(self.ids, token))
+        if at < self.ids.numel() and int(self.ids[at]) == token:
+            self.output_counts[at] += 1
+            return
+        self.ids = torch.cat([self.ids[:at], self.ids.new_tensor([token]), self.ids[at:]])
+        one = self.output_counts.new_ones(1)
+        self.output_counts = torch.cat([self.output_counts[:at], one, self.output_counts[at:]])
+
+
+class PenaltyState:
+    """Per ReqToTokenPool row, the SeenTokens of the penalised request last started there. Rows
+    appear when a penalised request starts in them; unpenalised requests' rows are never read or
+    written (a penalised request moving into one rebuilds it from its PenaltyInit).
+
+    The state stays on the CPU whatever device the logits are on: recording a step's tokens
+    branches on them per row, which on an accelerator would be a sync per row, while shipping
+    the seen tokens to the logits is one small copy per step.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[int, SeenTokens] = {}
 
     @property
     def num_rows(self) -> int:
-        return self.output_counts.shape[0]
+        return len(self.rows)
 
     def apply(
         self, logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor
@@ -69,70 +81,45 @@ class PenaltyState:
         logits stay as they are, for logprobs."""
         if rows.numel() == 0:
             return logits
-        device = logits.device
-        pool_rows = info.req_rows[rows]
-        self._ensure_rows(int(pool_rows.max()) + 1)
-        starting = set(rows.tolist())
-        self._rebuild([p for p in info.penalty_inits if p.batch_index in starting], info)
-        pool_rows, rows_d = pool_rows.to(device), rows.to(device)
-        penalised = apply_penalties(
-            logits[rows_d],
-            self.output_counts[pool_rows],
-            self.in_prompt[pool_rows],
-            info.repetition_penalties[rows].to(device),
-            info.frequency_penalties[rows].to(device),
-            info.presence_penalties[rows].to(device),
-        )
-        return logits.index_put((rows_d,), penalised)
+        self._rebuild(info, rows)
+        seen = [self.rows[row] for row in info.req_rows[rows].tolist()]
+        lengths = torch.tensor([s.ids.numel() for s in seen])
+        # One entry per (batch row, seen token), flat over the rows: no padding to the longest.
+        batch_rows = torch.repeat_interleave(rows, lengths)
+        ids = torch.cat([s.ids for s in seen])
+        counts = torch.cat([s.output_counts for s in seen])
+        # The subtrahends as the dense formula rounds them, float32 products, on the CPU where
+        # the counts are; the logits' device then gets two copies.
+        params = torch.stack(
+            [
+                info.repetition_penalties[batch_rows],
+                info.frequency_penalties[batch_rows] * counts,
+                info.presence_penalties[batch_rows] * (counts > 0),
+            ]
+        ).to(logits.device)
+        index = torch.stack([batch_rows, ids]).to(logits.device)
+        rep, frequency, presence = params
+        x = logits[index[0], index[1]]
+        penalised = torch.where(x > 0, x / rep, x * rep) - frequency - presence
+        # The ids of a row are distinct, so no entry is written twice.
+        return logits.index_put((index[0], index[1]), penalised)
 
     def record(self, tokens: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tensor) -> None:
         """Count each sampled token (int64 [B], device) into its row's output counts, for the rows
         of `rows` whose token is kept: a prefill chunk's sample is discarded by the scheduler."""
         rows = rows[info.emits_token[rows]]
-        if rows.numel() == 0:
-            return
-        device = tokens.device
-        self.output_counts.index_put_(
-            (info.req_rows[rows].to(device), tokens[rows.to(device)]),
-            torch.ones(rows.numel(), dtype=torch.int32, device=device),
-            accumulate=True,
-        )
+        sampled = tokens[rows.to(tokens.device)].tolist()
+        for row, token in zip(info.req_rows[rows].tolist(), sampled):
+            self.rows[row].add(token)
 
-    def _ensure_rows(self, needed: int) -> None:
-        if needed <= self.num_rows:
-            return
-        # Doubling: a server's rows fill up over its first requests, so copy log(rows) times.
-        grow = max(needed, 2 * self.num_rows) - self.num_rows
-        self.output_counts = torch.cat(
-            [self.output_counts, self.output_counts.new_zeros(grow, self.output_counts.shape[1])]
-        )
-        self.in_prompt = torch.cat(
-            [self.in_prompt, self.in_prompt.new_zeros(grow, self.in_prompt.shape[1])]
-        )
-
-    def _rebuild(self, inits: list[PenaltyInit], info: SamplingBatchInfo) -> None:
-        """Reset the rows of `inits` to their prompt and outputs so far, in a few scatters."""
-        if not inits:
-            return
-        device = self.output_counts.device
-        pool_rows = info.req_rows[[p.batch_index for p in inits]]
-        self.output_counts[pool_rows.to(device)] = 0
-        self.in_prompt[pool_rows.to(device)] = False
-        prompt_rows = _repeat(pool_rows, [len(p.prompt_ids) for p in inits], device)
-        prompt_ids = _flat([p.prompt_ids for p in inits], device)
-        self.in_prompt[prompt_rows, prompt_ids] = True
-        output_rows = _repeat(pool_rows, [len(p.output_ids) for p in inits], device)
-        output_ids = _flat([p.output_ids for p in inits], device)
-        self.output_counts.index_put_(
-            (output_rows, output_ids),
-            torch.ones(output_ids.numel(), dtype=torch.int32, device=device),
-            accumulate=True,
-        )
-
-
-def _repeat(values: torch.Tensor, counts: list[int], device: torch.device) -> torch.Tensor:
-    return torch.repeat_interleave(values, torch.tensor(counts, dtype=torch.int64)).to(device)
-
-
-def _flat(lists: list[list[int]], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64).to(device)
+    def _rebuild(self, info: SamplingBatchInfo, rows: torch.Tensor) -> None:
+        """Reset the rows of the penalised requests that start in them to their prompt and
+        outputs so far. A penalised row that never had a PenaltyInit (a caller that starts
+        requests without one) has seen nothing."""
+        inits = {p.batch_index: p for p in info.penalty_inits}
+        for index, row in zip(rows.tolist(), info.req_rows[rows].tolist()):
+            init = inits.get(index)
+            if init is not None:
+                self.rows[row] = SeenTokens.of(init.prompt_ids, init.output_ids)
+            elif row not in self.rows:
+                self.rows[row] = SeenTokens.of([], [])

@@ -19,10 +19,10 @@ class Sampler:
     """What sampling keeps between steps: the generator unseeded rows draw from, and the
     penalty state of the requests' rows."""
 
-    def __init__(self, vocab_size: int, device: torch.device, seed: int):
+    def __init__(self, device: torch.device, seed: int):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.penalties = PenaltyState(vocab_size, device)
+        self.penalties = PenaltyState()
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
@@ -55,7 +55,7 @@ def sample_tokens(
     Rows with temperature 0 take the argmax. top_k keeps the k likeliest tokens (-1: all);
     top_p then keeps the smallest set of those whose renormalised probability reaches top_p;
     min_p then drops tokens less likely than min_p times the likeliest one. Only the rows that
-    sample pay for any of it.
+    sample pay for any of it, and rows that filter draw among their candidates only.
     """
     device = logits.device
     tokens = logits.argmax(dim=-1)
@@ -63,22 +63,37 @@ def sample_tokens(
     if sampling.numel() == 0:
         return tokens
     rows = _rows(info, sampling)
-    on_device = sampling.to(device)
-    probs = torch.softmax(logits[on_device] / rows.temperatures.to(device)[:, None], dim=-1)
-    if bool(((rows.top_ks > 0) | (rows.top_ps < 1)).any()):
-        probs = _filter(probs, rows.top_ks.to(device), rows.top_ps.to(device))
-    if bool((rows.min_ps > 0).any()):
-        # The likeliest token always survives top_k and top_p, so its probability is the max
-        # before and after them: renormalising would not change which tokens min_p drops.
-        threshold = rows.min_ps.to(device)[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    tokens[on_device] = _draw(probs, _exponential_noise(probs, rows, generator))
+    probs = torch.softmax(
+        logits[sampling.to(device)] / rows.temperatures.to(device)[:, None], dim=-1
+    )
+    filtering = (rows.top_ks > 0) | (rows.top_ps < 1)
+    for members, filters in (
+        (filtering.nonzero()[:, 0], True),
+        ((~filtering).nonzero()[:, 0], False),
+    ):
+        if members.numel() == 0:
+            continue
+        group = _rows(rows, members)
+        group_probs = probs[members.to(device)]
+        candidates = None  # token ids of the columns; None: all of the vocabulary, in order
+        if filters:
+            group_probs, candidates = _filter(group_probs, group.top_ks, group.top_ps)
+        if bool((group.min_ps > 0).any()):
+            # The likeliest token survives top_k and top_p, so it is the max before and after
+            # them: renormalising would not change which tokens min_p drops.
+            threshold = group.min_ps.to(device)[:, None] * group_probs.amax(dim=-1, keepdim=True)
+            group_probs = group_probs.masked_fill(group_probs < threshold, 0.0)
+        noise = _exponential_noise(group_probs, candidates, group, generator)
+        choice = _draw(group_probs, noise)
+        if candidates is not None:
+            choice = candidates.gather(1, choice[:, None])[:, 0]
+        tokens[sampling[members].to(device)] = choice
     return tokens
 
 
 @dataclass(slots=True)
 class _Rows:
-    """The sampling rows' parameters (CPU)."""
+    """Some rows' sampling parameters (CPU)."""
 
     temperatures: torch.Tensor
     top_ks: torch.Tensor
@@ -89,7 +104,7 @@ class _Rows:
     output_index: torch.Tensor
 
 
-def _rows(info: SamplingBatchInfo, idx: torch.Tensor) -> _Rows:
+def _rows(info: SamplingBatchInfo | _Rows, idx: torch.Tensor) -> _Rows:
     return _Rows(
         info.temperatures[idx],
         info.top_ks[idx],
@@ -101,25 +116,21 @@ def _rows(info: SamplingBatchInfo, idx: torch.Tensor) -> _Rows:
     )
 
 
-def _filter(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Zero what top_k and top_p filter out, in token order.
-
-    Among the K likeliest tokens (one topk, O(V)) when that is exact: each row's top_k fits in
-    K, and a row without top_k has top_p of its mass in them, so its nucleus lies inside. Else
-    a full sort. Either way the filter sees the candidates in descending order.
-    """
+def _filter(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What top_k and top_p keep: (probabilities, token ids), both [N, K], likeliest first, the
+    filtered out zeroed. K is the FILTER_CANDIDATES likeliest tokens (one topk, O(V)) when that
+    is exact: each row's top_k fits in K, and a row without top_k has top_p of its mass in
+    them, so its nucleus lies inside. Else K is the whole vocabulary, sorted."""
     vocab = probs.shape[-1]
     k = min(vocab, max(FILTER_CANDIDATES, int(top_ks.max())))
     values, order = probs.topk(k, dim=-1) if k < vocab else probs.sort(dim=-1, descending=True)
-    total = torch.ones_like(top_ps)  # the rows' whole mass: softmax output sums to 1
-    unfiltered = (top_ks <= 0) & (top_ps >= 1)  # rows in a filtered batch that keep everything
-    nucleus_rows = (top_ks <= 0) & ~unfiltered
+    nucleus_rows = (top_ks <= 0) & (top_ps < 1)
     if k < vocab and bool((nucleus_rows & (values.sum(-1) < top_ps)).any()):
         values, order = probs.sort(dim=-1, descending=True)
-    kept = _top_k_top_p(values, top_ks, top_ps, total)
-    # Back to token order: seeded noise is keyed by token id, not by rank.
-    filtered = torch.zeros_like(probs).scatter_(1, order, kept)
-    return torch.where(unfiltered[:, None], probs, filtered)
+    total = torch.ones_like(top_ps)  # the rows' whole mass: softmax output sums to 1
+    return _top_k_top_p(values, top_ks, top_ps, total), order
 
 
 def _top_k_top_p(
@@ -149,23 +160,32 @@ def _draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def _exponential_noise(
-    probs: torch.Tensor, info: _Rows, generator: torch.Generator | None
+    probs: torch.Tensor,
+    candidates: torch.Tensor | None,
+    rows: _Rows,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Exp(1) noise shaped like `probs`: from `generator` for unseeded rows; for seeded rows a
-    function of (seed, output_index, token id) only, so their draws do not depend on the rest
-    of the batch or on their place in it."""
-    if not bool(info.seeded.any()):
+    """Exp(1) noise shaped like `probs`, whose columns are the tokens `candidates` (None: the
+    whole vocabulary in order): from `generator` for unseeded rows; for seeded rows a function of
+    (seed, output_index, token id) only, so their draws depend neither on the rest of the batch
+    nor on their place in it."""
+    if not bool(rows.seeded.any()):
         return torch.empty_like(probs).exponential_(generator=generator)
     device = probs.device
-    seeded = info.seeded.nonzero()[:, 0]
-    unseeded = (~info.seeded).nonzero()[:, 0]
+    seeded = rows.seeded.nonzero()[:, 0]
+    unseeded = (~rows.seeded).nonzero()[:, 0]
+    token_ids = (
+        torch.arange(probs.shape[-1], device=device)[None, :]
+        if candidates is None
+        else candidates[seeded.to(device)]
+    )
     noise = torch.empty_like(probs)
     noise[seeded.to(device)] = seeded_exponential(
-        info.seeds[seeded].to(device), info.output_index[seeded].to(device), probs.shape[-1]
+        rows.seeds[seeded].to(device), rows.output_index[seeded].to(device), token_ids
     ).to(probs.dtype)
     if unseeded.numel():
-        rows = torch.empty(unseeded.numel(), probs.shape[-1], dtype=probs.dtype, device=device)
-        noise[unseeded.to(device)] = rows.exponential_(generator=generator)
+        fresh = torch.empty(unseeded.numel(), probs.shape[-1], dtype=probs.dtype, device=device)
+        noise[unseeded.to(device)] = fresh.exponential_(generator=generator)
     return noise
 
 
@@ -175,16 +195,18 @@ _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
-def seeded_exponential(seeds: torch.Tensor, output_index: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise float64 [N, vocab] from int64 seeds and output indices [N], counter-based:
-    entry (n, t) is a hash of (seeds[n], output_index[n], t), vectorised over the whole block.
+def seeded_exponential(
+    seeds: torch.Tensor, output_index: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Exp(1) noise float64 [N, K] from int64 seeds and output indices [N] and the token ids of
+    the columns ([N, K], or [1, K] for all rows), counter-based: entry (n, k) is a hash of
+    (seeds[n], output_index[n], token_ids[n, k]), vectorised over the whole block.
 
     Each (seed, output_index) picks a splitmix64 stream and token t takes its t-th value; 53 of
     its bits make a uniform u in (0, 1), and -log1p(-u) an exponential that is never 0.
     """
     step_keys = mix64(mix64(seeds) + (output_index + 1) * _GOLDEN)
-    token_offsets = (torch.arange(vocab, device=seeds.device) + 1) * _GOLDEN
-    bits = mix64(step_keys[:, None] + token_offsets[None, :])
+    bits = mix64(step_keys[:, None] + (token_ids + 1) * _GOLDEN)
     u = (_shift_right(bits, 11).double() + 0.5) * 2.0**-53
     return -torch.log1p(-u)
 

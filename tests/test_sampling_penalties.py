@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from test_sampler import CPU, VOCAB, make_info, random_logits
+from test_sampler import CPU, make_info, random_logits
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from model_worker.batch import PenaltyInit
@@ -25,10 +25,17 @@ def histories(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
     return [(tokens(0, 20, 1, 15), tokens(10, 30, 0, 10)) for _ in range(n)]
 
 
+def output_tokens(sampler: Sampler, row: int) -> dict[int, int]:
+    """Row `row`'s counted output tokens."""
+    seen = sampler.penalties.rows[row]
+    counted = seen.output_counts > 0
+    return dict(zip(seen.ids[counted].tolist(), seen.output_counts[counted].tolist()))
+
+
 def penalised_from_scratch(logits: torch.Tensor, **fields: object) -> torch.Tensor:
     """The logits penalised by a fresh state, rebuilt from the batch's PenaltyInits."""
     info = make_info(logits.shape[0], **fields)
-    return PenaltyState(VOCAB, CPU).apply(logits, info, penalised_rows(info))
+    return PenaltyState().apply(logits, info, penalised_rows(info))
 
 
 def test_repetition_penalty_matches_transformers() -> None:
@@ -68,6 +75,74 @@ def test_all_penalties_match_a_float64_formula() -> None:
     torch.testing.assert_close(ours.double(), expected, atol=1e-5, rtol=0)
 
 
+def dense_reference(
+    logits: torch.Tensor,
+    rows: list[tuple[list[int], list[int]]],
+    rep: torch.Tensor,
+    freq: torch.Tensor,
+    pres: torch.Tensor,
+) -> torch.Tensor:
+    """The penalties over the whole vocabulary in float64, from dense per-row output counts and
+    seen-token masks: the formula the sparse state must equal."""
+    vocab = logits.shape[-1]
+    counts = torch.stack(
+        [torch.bincount(torch.tensor(o, dtype=torch.int64), minlength=vocab) for _, o in rows]
+    ).double()
+    seen = counts > 0
+    for i, (prompt, _) in enumerate(rows):
+        seen[i, prompt] = True
+    x = logits.double()
+    r = rep.double()[:, None]
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    return x - freq.double()[:, None] * counts - pres.double()[:, None] * (counts > 0)
+
+
+def test_large_vocabulary_state_kept_step_by_step_equals_the_dense_formula() -> None:
+    """32 penalised rows among 40 over a 49152-token vocabulary, each with a few hundred seen
+    tokens: rebuilt from PenaltyInits (some with outputs, as recomputes), then five steps that
+    record repeated and new tokens (a chunk row's not), each equal to the dense formula."""
+    vocab, n = 49152, 40
+    gen = torch.Generator().manual_seed(16)
+    order = torch.randperm(n, generator=gen)
+    penalised, unpenalised = order[:32], order[32:]
+    rep, freq, pres = torch.ones(n), torch.zeros(n), torch.zeros(n)
+    rep[penalised] = 0.5 + torch.rand(32, generator=gen) * 1.5
+    freq[penalised] = torch.rand(32, generator=gen) * 4 - 2
+    pres[penalised] = torch.rand(32, generator=gen) * 4 - 2
+    # Each row draws from its own 300 tokens, so its prompt and outputs repeat and overlap.
+    alphabets = torch.randint(0, vocab, (n, 300), generator=gen)
+
+    def draw(i: int, length: int) -> list[int]:
+        return alphabets[i, torch.randint(0, 300, (length,), generator=gen)].tolist()
+
+    rows = [(draw(i, 200), draw(i, i % 3 * 20)) for i in range(n)]
+    fields = {
+        "repetition_penalties": rep,
+        "frequency_penalties": freq,
+        "presence_penalties": pres,
+        "req_rows": torch.randperm(100, generator=gen)[:n],
+    }
+    state = PenaltyState()
+    for step in range(6):
+        first = step == 0
+        emits = [not (first and i % 5 == 0) for i in range(n)]
+        inits = [PenaltyInit(i, p, list(o)) for i, (p, o) in enumerate(rows)] if first else []
+        info = make_info(n, emits_token=emits, penalty_inits=inits, **fields)
+        logits = random_logits(n, seed=200 + step, vocab=vocab)
+        ours = state.apply(logits, info, penalised_rows(info))
+        expected = dense_reference(logits, rows, rep, freq, pres)
+        torch.testing.assert_close(ours.double(), expected, atol=1e-5, rtol=0)
+        assert torch.equal(ours[unpenalised], logits[unpenalised])
+        # Odd steps repeat a seen token; even ones mostly bring a new one.
+        fresh = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        tokens = [draw(i, 1)[0] if step % 2 else fresh[i] for i in range(n)]
+        state.record(torch.tensor(tokens), info, penalised_rows(info))
+        for i in penalised.tolist():
+            if emits[i]:
+                rows[i][1].append(tokens[i])
+    assert state.num_rows == 32
+
+
 def test_state_kept_step_by_step_equals_state_rebuilt_from_scratch() -> None:
     """A (row 5) starts with its prompt, B (row 0) is a recompute that brings outputs, C (row 2)
     prefills in two chunks, D (row 1) has no penalty; then six decode steps. The kept state gives
@@ -81,7 +156,7 @@ def test_state_kept_step_by_step_equals_state_rebuilt_from_scratch() -> None:
         "presence_penalties": [0.0, 0.5, 0.2, 0.0],
         "req_rows": [5, 0, 2, 1],
     }
-    sampler = Sampler(VOCAB, CPU, seed=0)
+    sampler = Sampler(CPU, seed=0)
     for step in range(7):
         first = step == 0
         inits = [PenaltyInit(i, prompts[i], list(outputs[i])) for i in range(4)] if first else []
@@ -99,21 +174,21 @@ def test_state_kept_step_by_step_equals_state_rebuilt_from_scratch() -> None:
             if emits[i]:
                 outputs[i].append(tokens[i])
 
-    assert sampler.penalties.num_rows >= 6
-    assert not sampler.penalties.output_counts[1].any(), "D has no penalty: its row is untouched"
+    assert sorted(sampler.penalties.rows) == [0, 2, 5], "D has no penalty: its row is untouched"
     logits = random_logits(4, seed=99)
     info = make_info(4, **params)
     kept = sampler.penalties.apply(logits, info, penalised_rows(info))
     inits = [PenaltyInit(i, prompts[i], outputs[i]) for i in range(4)]
     fresh = penalised_from_scratch(logits, penalty_inits=inits, **params)
     torch.testing.assert_close(kept, fresh, atol=0, rtol=0)
-    counts = sampler.penalties.output_counts
     for i, row in enumerate(params["req_rows"][:3]):
-        assert counts[row].sum() == len(outputs[i]), f"request {i}"
+        seen = sampler.penalties.rows[row]
+        assert seen.ids.tolist() == sorted(set(prompts[i] + outputs[i])), f"request {i}"
+        assert seen.output_counts.sum() == len(outputs[i]), f"request {i}"
 
 
 def test_a_prefill_chunk_does_not_count_its_token() -> None:
-    sampler = Sampler(VOCAB, CPU, seed=0)
+    sampler = Sampler(CPU, seed=0)
     chunk = make_info(
         1,
         temperatures=[0.0],
@@ -122,19 +197,19 @@ def test_a_prefill_chunk_does_not_count_its_token() -> None:
         penalty_inits=[PenaltyInit(0, [1, 2, 3], [])],
     )
     sampler(random_logits(1), chunk)
-    assert not sampler.penalties.output_counts.any()
+    assert output_tokens(sampler, 0) == {}
     decode = make_info(1, temperatures=[0.0], presence_penalties=[1.0])
     token = int(sampler(random_logits(1), decode).next_token_ids[0])
-    assert sampler.penalties.output_counts[0].nonzero()[:, 0].tolist() == [token]
+    assert output_tokens(sampler, 0) == {token: 1}
 
 
 def test_a_reused_row_is_rebuilt() -> None:
-    sampler = Sampler(VOCAB, CPU, seed=0)
+    sampler = Sampler(CPU, seed=0)
     old = {"frequency_penalties": [1.0], "repetition_penalties": [1.5], "req_rows": [2]}
     sampler(random_logits(1), make_info(1, penalty_inits=[PenaltyInit(0, [1, 2, 3], [4])], **old))
     for step in range(3):
         sampler(random_logits(1, seed=step), make_info(1, **old))
-    assert sampler.penalties.output_counts[2].sum() == 5  # the init's output and 4 samples
+    assert sum(output_tokens(sampler, 2).values()) == 5  # the init's output and 4 samples
 
     # Another request now owns row 2, in a batch where it is the second sequence.
     new = make_info(
@@ -145,8 +220,8 @@ def test_a_reused_row_is_rebuilt() -> None:
         penalty_inits=[PenaltyInit(1, [7, 8], [])],
     )
     sampler(random_logits(2), new)
-    assert not sampler.penalties.output_counts[2].any()
-    assert sampler.penalties.in_prompt[2].nonzero()[:, 0].tolist() == [7, 8]
+    assert output_tokens(sampler, 2) == {}
+    assert sampler.penalties.rows[2].ids.tolist() == [7, 8]
 
 
 def test_greedy_rows_take_the_argmax_of_the_penalised_logits() -> None:
@@ -160,13 +235,13 @@ def test_greedy_rows_take_the_argmax_of_the_penalised_logits() -> None:
     }
     penalised = penalised_from_scratch(logits, **fields)
     for info in (make_info(3, **fields), make_info(2, **{k: v[:2] for k, v in fields.items()})):
-        out = Sampler(VOCAB, CPU, seed=0)(logits[: info.req_rows.numel()], info).next_token_ids
+        out = Sampler(CPU, seed=0)(logits[: info.req_rows.numel()], info).next_token_ids
         assert out[:2].tolist() == penalised[:2].argmax(-1).tolist()
         assert out[0] != top[0] and out[1] != top[1]
 
 
 def test_batches_without_penalties_allocate_no_state() -> None:
-    sampler = Sampler(VOCAB, CPU, seed=0)
+    sampler = Sampler(CPU, seed=0)
     info = make_info(4, top_ks=[5] * 4, min_ps=[0.1] * 4, return_logprob=[True] * 4)
     sampler(random_logits(4), info)
     assert sampler.penalties.num_rows == 0

@@ -10,11 +10,10 @@ import time
 import msgspec
 import pytest
 import torch
-import zmq
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from client import AsyncClient, Client, ServerError
-from client.local_server import launched_server
+from client.local_server import launched_server, raw_round_trip
 from model_worker.model_source import default_model_dir
 
 PROMPTS = [
@@ -143,17 +142,7 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("payload, names", BAD_REQUESTS)
 def test_invalid_request_gets_an_error_and_the_server_goes_on(server, payload, names):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.address)
-    try:
-        sock.send(payload)
-        assert sock.poll(30_000), "no reply to a bad request"
-        reply = msgspec.msgpack.decode(sock.recv())
-    finally:
-        sock.close()
-        ctx.term()
+    reply = raw_round_trip(server.address, payload)
     assert reply["type"] == "error" and reply["code"] == "invalid_request"
     assert names in reply["message"]
     with Client(server.address, timeout=60) as c:

@@ -8,11 +8,10 @@ import asyncio
 import msgspec
 import pytest
 import torch
-import zmq
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
 from client import AsyncClient, Client
-from client.local_server import launched_server
+from client.local_server import launched_server, raw_round_trip
 from model_worker.model_source import default_model_dir
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
@@ -208,18 +207,7 @@ INVALID = [
 
 @pytest.mark.parametrize("params, field", INVALID)
 def test_invalid_sampling_values_are_refused_by_name(server, params, field):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.address)
-    try:
-        sock.send(
-            msgspec.msgpack.encode({"type": "generate", "text": "hi", "sampling_params": params})
-        )
-        assert sock.poll(30_000)
-        reply = msgspec.msgpack.decode(sock.recv())
-    finally:
-        sock.close()
-        ctx.term()
+    request = {"type": "generate", "text": "hi", "sampling_params": params}
+    reply = raw_round_trip(server.address, msgspec.msgpack.encode(request))
     assert reply["type"] == "error" and reply["code"] == "invalid_request"
     assert field in reply["message"]
