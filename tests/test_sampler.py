@@ -198,7 +198,7 @@ def test_seeded_draws_follow_the_distribution() -> None:
         seeded(torch.arange(n), torch.zeros(n)),
         seeded(torch.full((n,), 3), torch.arange(n)),
     ]:
-        seen = Sampler(8, CPU, seed=0)(logits.repeat(n, 1), batch).next_token_ids
+        seen = Sampler(CPU, seed=0)(logits.repeat(n, 1), batch).next_token_ids
         counts = torch.bincount(seen, minlength=8).double()
         chi2 = ((counts - n * expected) ** 2 / (n * expected)).sum()
         assert chi2 < 24.3, f"chi-square {chi2:.1f}"
