@@ -117,6 +117,13 @@ def _eos_ids(hf: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def resolve_device(arg: str) -> torch.device:
+    """`--device` to a torch device; "auto" takes the GPU when there is one."""
+    if arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(arg)
+
+
 def resolve_dtype(
     arg: str, device: torch.device, *, checkpoint_dtype: torch.dtype | None = None
 ) -> torch.dtype:

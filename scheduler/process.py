@@ -6,10 +6,9 @@ import logging
 from multiprocessing.connection import Connection
 
 import msgspec
-import torch
 import zmq
 
-from model_worker.model_config import ModelConfig, resolve_dtype
+from model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
 from model_worker.model_runner import ModelRunner
 from model_worker.parallel import TPGroup
 from process_setup import configure_process
@@ -33,12 +32,6 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from server_args import ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
-
-
-def resolve_device(arg: str) -> torch.device:
-    if arg == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(arg)
 
 
 def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:

@@ -177,3 +177,12 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_model_info_and_health(server, tokenizer):
+    with Client(server.address, timeout=60) as c:
+        info = c.model_info()
+        assert c.health().status == "ok"
+    assert info.architecture == "LlamaForCausalLM"
+    assert info.dtype == "float32"  # as resolved, not "auto"
+    assert info.vocab_size >= len(tokenizer) - 1 and info.context_length == 8192

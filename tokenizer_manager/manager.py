@@ -17,7 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from model_worker.model_config import ModelConfig
+from model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
 from protocol import transport
 from protocol.internal import (
     AbortReq,
@@ -79,6 +79,10 @@ class TokenizerManager:
         self.args = args
         self.model_path = model_path
         self.model_config = ModelConfig.from_dir(model_path)
+        # As the scheduler resolves it, for model_info.
+        self.dtype = resolve_dtype(
+            args.dtype, resolve_device(args.device), checkpoint_dtype=self.model_config.dtype
+        )
         self.tokenization = Tokenization(model_path, self.model_config.vocab_size)
         ctx = zmq.asyncio.Context()
         self.router = ctx.socket(zmq.ROUTER)
@@ -142,14 +146,14 @@ class TokenizerManager:
 
     async def handle_generate(self, envelope: Envelope, req: GenerateRequest) -> None:
         rid = req.rid or uuid.uuid4().hex
-        if rid in self.completions:
+        n = req.sampling_params.n
+        sub_rids = [rid] if n == 1 else [f"{rid}/{i}" for i in range(n)]
+        if rid in self.completions or any(sub in self.rid_states for sub in sub_rids):
             raise _ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
         try:
             input_ids = self.tokenization.input_ids(req)
         except ValueError as e:
             raise _ClientError("invalid_request", str(e), rid) from None
-        n = req.sampling_params.n
-        sub_rids = [rid] if n == 1 else [f"{rid}/{i}" for i in range(n)]
         self.completions[rid] = list(sub_rids)
         for i, sub_rid in enumerate(sub_rids):
             params = req.sampling_params
@@ -180,7 +184,7 @@ class TokenizerManager:
             architecture=cfg.architecture,
             context_length=self.args.context_length or cfg.max_position_embeddings,
             vocab_size=cfg.vocab_size,
-            dtype=self.args.dtype,
+            dtype=str(self.dtype).removeprefix("torch."),
         )
 
     # ---- server -> client ----------------------------------------------------------------------
