@@ -72,6 +72,11 @@ class SchedulerStats:
     busy_time_since_log: float = 0.0  # seconds spent in steps: idle time is not throughput
     gen_throughput: float = 0.0
 
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of prompt tokens served from the prefix cache."""
+        return self.cached_tokens / max(self.prompt_tokens, 1)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, worker: ModelWorker):
@@ -376,7 +381,7 @@ class Scheduler:
             waiting_requests=len(self.waiting),
             kv_tokens_used=self.kv.used,
             kv_tokens_total=self.config.max_total_tokens,
-            cache_hit_rate=stats.cached_tokens / max(stats.prompt_tokens, 1),
+            cache_hit_rate=stats.cache_hit_rate,
             gen_throughput=stats.gen_throughput,
             num_steps=stats.num_steps,
             num_mixed_steps=stats.num_mixed_steps,
@@ -388,10 +393,11 @@ class Scheduler:
 
     def _log_prefill(self, batch: ScheduleBatch) -> None:
         logger.info(
-            "Prefill batch. #prefill-seq: %d, #new-token: %d, token usage: %.2f, "
-            "#running-req: %d, #queue-req: %d",
+            "Prefill batch. #prefill-seq: %d, #new-token: %d, cache hit rate: %.1f%%, "
+            "token usage: %.2f, #running-req: %d, #queue-req: %d",
             len(batch.reqs) - batch.num_decodes,
             batch.num_tokens - batch.num_decodes,
+            100 * self.stats.cache_hit_rate,
             self.kv.used / self.config.max_total_tokens,
             len(self.running),
             len(self.waiting),
