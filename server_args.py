@@ -31,10 +31,6 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     check_invariants: bool = False  # verify the scheduler's invariants after every step (tests)
     log_level: str = "info"
 
-    @property
-    def is_default_model(self) -> bool:
-        return self.model == DEFAULT_MODEL
-
 
 _HELP = {
     "model": "local directory, Hugging Face id, or the bundled default",

@@ -9,10 +9,6 @@ from __future__ import annotations
 import msgspec
 
 
-class InvalidRequest(ValueError):
-    """A request that is well-formed msgpack but asks for something the server cannot do."""
-
-
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     max_new_tokens: int = 128
     temperature: float = 1.0
