@@ -48,7 +48,6 @@ class SamplingBatchInfo:
     penalty_inits: list[PenaltyInit]
     is_all_greedy: bool  # no row samples: argmax, unless penalties change the logits
     has_penalties: bool
-    has_min_p: bool
     any_logprob: bool
 
 

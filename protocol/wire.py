@@ -46,6 +46,14 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1
+            or self.frequency_penalty != 0
+            or self.presence_penalty != 0
+        )
+
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str

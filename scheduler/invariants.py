@@ -61,6 +61,11 @@ def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
         torch.equal(torch.sort(every).values, torch.arange(1, cfg.max_total_tokens + 1)),
         "a KV slot is owned twice, or slot 0 was handed out",
     )
+    # Past its computed tokens a row holds zeros: the batch's kv_slots rely on it for padding.
+    written = torch.zeros_like(pool, dtype=torch.bool)
+    for r in s.running:
+        written[r.req_pool_idx, : r.num_computed_tokens] = True
+    _require(not pool.masked_fill(written, 0).any(), "a row holds a slot past its tokens")
     rows = {r.req_pool_idx for r in s.running}
     _require(
         s.kv.req_to_token_pool.num_free + len(rows) == cfg.max_running_requests,

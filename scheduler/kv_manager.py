@@ -100,7 +100,7 @@ class KVManager:
             kept = self._insert_and_free_duplicates(req, row, n)
             self.tree_cache.dec_lock_ref(req.last_node)
         self.allocator.free(row[kept:n].clone())  # what the tree did not take
-        self.req_to_token_pool.free(req.req_pool_idx)
+        self.req_to_token_pool.free(req.req_pool_idx, n)
         req.req_pool_idx, req.last_node, req.prefix_len, req.num_computed_tokens = None, None, 0, 0
 
     def _insert_and_free_duplicates(self, req: Req, row: torch.Tensor, n: int) -> int:

@@ -10,7 +10,8 @@ import torch
 
 
 class ReqToTokenPool:
-    """Row r holds the KV slot of every token of the request that owns row r, in order."""
+    """Row r holds the KV slot of every token of the request that owns row r, in order, and
+    zeros past them: gathered rows come padded with slot 0, which no request owns."""
 
     def __init__(self, num_rows: int, max_context_len: int):
         self.req_to_token = torch.zeros((num_rows, max_context_len), dtype=torch.int64)
@@ -23,7 +24,9 @@ class ReqToTokenPool:
     def alloc(self) -> int:
         return self._free_rows.pop()
 
-    def free(self, row: int) -> None:
+    def free(self, row: int, num_written: int) -> None:
+        """Give back `row`, whose first `num_written` entries were set."""
+        self.req_to_token[row, :num_written] = 0
         self._free_rows.append(row)
 
 

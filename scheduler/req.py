@@ -13,7 +13,6 @@ the request runs); the rest, up to `num_computed_tokens`, are the request's own.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from protocol.wire import FinishReason, SamplingParams
@@ -37,31 +36,9 @@ class Req:
     prefix_len: int = 0  # leading tokens whose KV slots the radix tree owns
     last_node: TreeNode | None = None  # the tree node ending at prefix_len, locked while running
     new_row: bool = False  # first step in its row: the worker (re)builds its penalty state
-    # The request's sampling parameters as SamplingBatchInfo columns, built once (__post_init__).
-    sampling_floats: tuple[float, ...] = ()
-    sampling_ints: tuple[int, ...] = ()
-    seeded: bool = False
-    penalized: bool = False
     finished_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # outputs already handed to the detokenizer
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    arrival_time: float = field(default_factory=time.monotonic)
-
-    def __post_init__(self) -> None:
-        p = self.sampling_params
-        self.sampling_floats = (
-            p.temperature,
-            p.top_p,
-            p.min_p,
-            p.repetition_penalty,
-            p.frequency_penalty,
-            p.presence_penalty,
-        )
-        self.sampling_ints = (p.top_k, p.seed or 0, self.top_logprobs_num)
-        self.seeded = p.seed is not None
-        self.penalized = (
-            p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
-        )
 
     @property
     def num_tokens(self) -> int:

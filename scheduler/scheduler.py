@@ -22,6 +22,7 @@ from scheduler.kv_manager import KVManager
 from scheduler.prefill_adder import NewTokenRatio, PrefillAdder, reserved_tokens
 from scheduler.radix_cache import common_prefix_len
 from scheduler.req import Req
+from scheduler.sampling_rows import SamplingRows
 from scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -89,6 +90,7 @@ class Scheduler:
             config.enable_radix_cache,
             config.page_size,
         )
+        self.sampling_rows = SamplingRows(config.max_running_requests)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = NewTokenRatio()
@@ -168,20 +170,20 @@ class Scheduler:
             plan += self._admit_waiting(sum(n for _, n, _ in plan))
         if not plan:
             return None
-        out_cache_loc = self.kv.alloc(sum(n for _, n, _ in plan))
+        reqs, extend_lens, emits = (list(column) for column in zip(*plan))
+        out_cache_loc = self.kv.alloc(sum(extend_lens))
         assert out_cache_loc is not None, "planning left too few free KV slots"
-        reqs = [r for r, _, _ in plan]
         return ScheduleBatch(
             reqs=reqs,
             prefix_lens=[r.num_computed_tokens for r in reqs],
-            extend_lens=[n for _, n, _ in plan],
-            emits=[emits for _, _, emits in plan],
+            extend_lens=extend_lens,
+            emits=emits,
             out_cache_loc=out_cache_loc,
             num_decodes=num_decodes,
         )
 
     def run_batch(self, batch: ScheduleBatch) -> SampleOutput:
-        mwb = batch.to_model_worker_batch(self.kv.req_to_token_pool)
+        mwb = batch.to_model_worker_batch(self.kv.req_to_token_pool, self.sampling_rows)
         return self.worker.forward(mwb)
 
     def process_batch_result(self, batch: ScheduleBatch, result: SampleOutput) -> None:
@@ -311,6 +313,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv.assign_row(req, prefix_slots)
+            self.sampling_rows.write(req.req_pool_idx, req)
             self.running.append(req)
             admitted.append((req, n, n == req.num_uncomputed_tokens))
             cached_prompt = min(req.prefix_len, len(req.origin_input_ids))
@@ -353,24 +356,25 @@ class Scheduler:
     # ---- bookkeeping ---------------------------------------------------------------------------
 
     def _emit(self, req: Req) -> None:
+        # Positional arguments: this runs for every streaming request on every step.
         sent = req.num_sent_tokens
-        req.num_sent_tokens = len(req.output_ids)
+        outputs = req.output_ids
+        req.num_sent_tokens = len(outputs)
+        params = req.sampling_params
+        logprobs = req.output_token_logprobs[sent:] if req.return_logprob else None
+        top_logprobs = req.output_top_logprobs[sent:] if req.top_logprobs_num else None
         self.outbox.append(
             ReqTokenOut(
-                rid=req.rid,
-                new_token_ids=req.output_ids[sent:],
-                finished_reason=req.finished_reason,
-                prompt_tokens=len(req.origin_input_ids),
-                completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_tokens,
-                skip_special_tokens=req.sampling_params.skip_special_tokens,
-                stop=req.sampling_params.stop,
-                output_token_logprobs=req.output_token_logprobs[sent:]
-                if req.return_logprob
-                else None,
-                output_top_logprobs=(
-                    req.output_top_logprobs[sent:] if req.top_logprobs_num else None
-                ),
+                req.rid,
+                outputs[sent:],
+                req.finished_reason,
+                len(req.origin_input_ids),
+                len(outputs),
+                req.cached_tokens,
+                params.skip_special_tokens,
+                params.stop,
+                logprobs,
+                top_logprobs,
             )
         )
 

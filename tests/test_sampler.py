@@ -50,7 +50,6 @@ def make_info(batch_size: int, **fields: Any) -> SamplingBatchInfo:
         penalty_inits=penalty_inits,
         is_all_greedy=bool((t["temperatures"] <= 0).all()),
         has_penalties=bool(penalised.any()),
-        has_min_p=bool((t["min_ps"] > 0).any()),
         any_logprob=bool(t["return_logprob"].any()),
     )
 

@@ -161,3 +161,31 @@ def test_stop_token_ends_request_unless_ignore_eos():
     assert tokens_of(outs) == expected[: expected.index(stop_at) + 1]
     assert outs[-1].finished_reason.type == "stop"
     assert outs[-1].finished_reason.matched == stop_at
+
+
+def test_each_sequence_carries_its_own_sampling_parameters_across_row_reuse():
+    s = make_scheduler(running=3)
+    rng = random.Random(3)
+    params = {}
+    for i in range(9):  # three waves through three rows: every row is reused
+        p = {"temperature": 0.1 * i, "top_p": 1 - 0.05 * i, "top_k": i + 1, "seed": 100 + i}
+        if i % 3 == 0:
+            p["repetition_penalty"] = 1.1
+        params[f"r{i}"] = p
+        s.add_request(gen(f"r{i}", prompt(rng, 5 + i), 3 + i % 4, **p))
+    checked = 0
+    while s.has_unfinished():
+        batch = s.step()
+        info = s.worker.batches[-1].sampling
+        for i, req in enumerate(batch.reqs):
+            p = params[req.rid]
+            assert info.temperatures[i].item() == pytest.approx(p["temperature"])
+            assert info.top_ps[i].item() == pytest.approx(p["top_p"])
+            assert (info.top_ks[i].item(), info.seeds[i].item()) == (p["top_k"], p["seed"])
+            assert info.repetition_penalties[i].item() == pytest.approx(
+                p.get("repetition_penalty", 1.0)
+            )
+            checked += 1
+        assert len(set(info.req_rows.tolist())) == len(batch.reqs)
+        s.outbox = []
+    assert checked > 9

@@ -1,0 +1,74 @@
+"""SamplingRows: each running request's sampling parameters, kept in its ReqToTokenPool row.
+
+Written once when a request is given a row; a step gathers its batch's columns with one index per
+dtype, so building SamplingBatchInfo costs no Python per request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from model_worker.batch import PenaltyInit, SamplingBatchInfo
+from scheduler.req import Req
+
+# Column order of each table.
+FLOATS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")
+INTS = ("top_k", "seed", "top_logprobs_num")
+FLAGS = ("seeded", "return_logprob", "penalized", "greedy")
+
+
+class SamplingRows:
+    def __init__(self, num_rows: int):
+        self.floats = np.zeros((num_rows, len(FLOATS)), np.float32)
+        self.ints = np.zeros((num_rows, len(INTS)), np.int64)
+        self.flags = np.zeros((num_rows, len(FLAGS)), np.bool_)
+
+    def write(self, row: int, req: Req) -> None:
+        p = req.sampling_params
+        self.floats[row] = (
+            p.temperature,
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+        )
+        self.ints[row] = (p.top_k, p.seed or 0, req.top_logprobs_num)
+        self.flags[row] = (p.seed is not None, req.return_logprob, p.has_penalties, p.is_greedy)
+
+    def batch_info(
+        self,
+        rows: torch.Tensor,
+        output_index: torch.Tensor,
+        emits: list[bool],
+        penalty_inits: list[PenaltyInit],
+    ) -> SamplingBatchInfo:
+        """The columns of the batch whose sequence i holds row rows[i]."""
+        index = rows.numpy()
+        floats = torch.from_numpy(self.floats[index].T.copy())
+        ints = torch.from_numpy(self.ints[index].T.copy())
+        flags = self.flags[index].T.copy()
+        seeded, return_logprob, penalized, greedy = torch.from_numpy(flags)
+        temperatures, top_ps, min_ps, rep, freq, pres = floats
+        top_ks, seeds, top_logprobs_nums = ints
+        return SamplingBatchInfo(
+            temperatures=temperatures,
+            top_ps=top_ps,
+            top_ks=top_ks,
+            min_ps=min_ps,
+            repetition_penalties=rep,
+            frequency_penalties=freq,
+            presence_penalties=pres,
+            seeds=seeds,
+            seeded=seeded,
+            output_index=output_index,
+            req_rows=rows,
+            emits_token=torch.from_numpy(np.array(emits, dtype=np.bool_)),
+            top_logprobs_nums=top_logprobs_nums,
+            return_logprob=return_logprob,
+            penalty_inits=penalty_inits,
+            is_all_greedy=bool(flags[3].all()),
+            has_penalties=bool(flags[2].any()),
+            any_logprob=bool(flags[1].any()),
+        )
