@@ -2,11 +2,14 @@
 with static padded batches on the same prompts, in the same run.
 
     python benchmarks/bench_serving.py [--num-requests 64 --input-len 128 --output-len 128]
+                                       [--rounds 3] [--mixed-sampling]
 
 Every request uses ignore_eos, so both sides produce exactly output-len tokens per request. The
-server runs first and is stopped before the baseline starts: each side has the machine alone.
-With --mixed-sampling the server also runs the same prompts with half of the requests sampling
-(temperature, top-p, top-k, penalties), to compare with its all-greedy run.
+two sides take turns, round after round: one server is started, and while it idles (its processes
+sleep on their sockets) the baseline runs in this process. On a shared 2-core machine one run can
+be 10% off the next, so the summary compares the medians over the rounds. With --mixed-sampling
+the server also runs the same prompts with half of the requests sampling (temperature, top-p,
+top-k, penalties) in each round, to compare with its all-greedy run.
 """
 
 from __future__ import annotations
@@ -111,65 +114,83 @@ async def run_load(
     )
 
 
-def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> list[RunResult]:
-    server_args = ["--model", args.model, "--dtype", args.dtype, *args.server_args.split()]
-    # The cache would serve the second run's prompts: each run must compute its own.
-    server_args.append("--disable-radix-cache")
-    with launched_server(*server_args) as server:
-        results = [asyncio.run(run_load(server.address, prompts, args.output_len))]
-        if args.mixed_sampling:
-            results.append(
-                asyncio.run(
-                    run_load(
-                        server.address, prompts, args.output_len, "radixserve, half sampled", True
-                    )
+class TransformersBaseline:
+    """Static batching: each batch is left-padded, prefilled together, decoded to the end."""
+
+    def __init__(self, args: argparse.Namespace):
+        from transformers import AutoModelForCausalLM
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+        path = resolve_model_path(args.model)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        self.args = args
+
+    def run(self, prompts: list[list[int]]) -> RunResult:
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        args, model = self.args, self.model
+        pad = model.config.pad_token_id or 0
+
+        class FirstTokenClock(LogitsProcessor):
+            """Called once per generated token; the first call marks the end of the prefill."""
+
+            def __init__(self) -> None:
+                self.first: float | None = None
+
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                self.first = self.first or time.perf_counter()
+                return scores
+
+        ttfts, itls, tokens = [], [], 0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for i in range(0, len(prompts), args.baseline_batch_size):
+                batch = prompts[i : i + args.baseline_batch_size]
+                width = max(map(len, batch))
+                ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+                clock = FirstTokenClock()
+                out = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=args.output_len,
+                    min_new_tokens=args.output_len,
+                    logits_processor=LogitsProcessorList([clock]),
+                    pad_token_id=pad,
                 )
-            )
+                end = time.perf_counter()
+                new = out.shape[1] - width
+                tokens += new * len(batch)
+                ttfts += [clock.first - start] * len(batch)  # every request arrived at `start`
+                itls += [(end - clock.first) / max(new - 1, 1)] * len(batch)
+        name = "transformers generate"
+        return RunResult(name, time.perf_counter() - start, tokens, ttfts, itls)
+
+
+def run_rounds(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, list[RunResult]]:
+    """Each round: the server's run(s), then the baseline's. Results by run name."""
+    server_args = ["--model", args.model, "--dtype", args.dtype, *args.server_args.split()]
+    # The cache would serve a later run's prompts: each run must compute its own.
+    server_args.append("--disable-radix-cache")
+    baseline = TransformersBaseline(args)
+    results: dict[str, list[RunResult]] = {}
+    with launched_server(*server_args) as server:
+        for _ in range(args.rounds):
+            runs = [run_load(server.address, prompts, args.output_len)]
+            if args.mixed_sampling:
+                name = "radixserve, half sampled"
+                runs.append(run_load(server.address, prompts, args.output_len, name, True))
+            for run in runs:
+                result = asyncio.run(run)
+                results.setdefault(result.name, []).append(result)
+            result = baseline.run(prompts)
+            results.setdefault(result.name, []).append(result)
     return results
 
 
-def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> RunResult:
-    """Static batching: each batch is left-padded, prefilled together, decoded to the end."""
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=dtype)
-    pad = model.config.pad_token_id or 0
-
-    class FirstTokenClock(LogitsProcessor):
-        """Called once per generated token; the first call marks the end of the prefill."""
-
-        def __init__(self) -> None:
-            self.first: float | None = None
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            self.first = self.first or time.perf_counter()
-            return scores
-
-    ttfts, itls, tokens = [], [], 0
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), args.baseline_batch_size):
-            batch = prompts[i : i + args.baseline_batch_size]
-            width = max(map(len, batch))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            clock = FirstTokenClock()
-            out = model.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=args.output_len,
-                min_new_tokens=args.output_len,
-                logits_processor=LogitsProcessorList([clock]),
-                pad_token_id=pad,
-            )
-            end = time.perf_counter()
-            new = out.shape[1] - width
-            tokens += new * len(batch)
-            ttfts += [clock.first - start] * len(batch)  # every request arrived at `start`
-            itls += [(end - clock.first) / max(new - 1, 1)] * len(batch)
-    return RunResult("transformers generate", time.perf_counter() - start, tokens, ttfts, itls)
+def median_throughput(results: list[RunResult]) -> float:
+    return statistics.median(r.throughput for r in results)
 
 
 def print_table(rows: list[list[str]], extra: list[str] = ()) -> None:
@@ -197,6 +218,7 @@ def main() -> None:
     parser.add_argument("--baseline-batch-size", type=int, default=64)
     parser.add_argument("--server-args", default="", help="extra launch.py flags, one string")
     parser.add_argument("--threads", type=int, default=None, help="baseline torch threads")
+    parser.add_argument("--rounds", type=int, default=3, help="turns each side takes")
     parser.add_argument(
         "--mixed-sampling",
         action="store_true",
@@ -210,18 +232,31 @@ def main() -> None:
 
     vocab = len(AutoTokenizer.from_pretrained(resolve_model_path(args.model)))
     prompts = make_prompts(args.num_requests, args.input_len, vocab)
-    ours, *mixed = run_server(args, prompts)
-    baseline = run_transformers(args, prompts)
+    results = run_rounds(args, prompts)
     print(
         f"\n{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} new tokens)"
         f", {args.dtype}, baseline batch size {args.baseline_batch_size}, "
-        f"torch threads {torch.get_num_threads()}\n"
+        f"torch threads {torch.get_num_threads()}, {args.rounds} rounds\n"
     )
-    print_table([ours.row(), *(m.row() for m in mixed), baseline.row()])
-    ratio = ours.throughput / baseline.throughput
-    print(f"\nthroughput ratio radixserve / transformers: {ratio:.2f}x")
-    for m in mixed:
-        print(f"throughput ratio half sampled / all greedy: {m.throughput / ours.throughput:.2f}x")
+    print_table(
+        [
+            [f"{name}, round {i + 1}", *r.row()[1:]]
+            for name, rs in results.items()
+            for i, r in enumerate(rs)
+        ]
+    )
+    ours = results["radixserve"]
+    baseline = results["transformers generate"]
+    per_round = ", ".join(f"{a.throughput / b.throughput:.2f}" for a, b in zip(ours, baseline))
+    ratio = median_throughput(ours) / median_throughput(baseline)
+    print(f"\nmedian throughput: radixserve {median_throughput(ours):.1f} tok/s, ", end="")
+    print(f"transformers {median_throughput(baseline):.1f} tok/s")
+    print(f"throughput ratio radixserve / transformers (medians): {ratio:.2f}x")
+    print(f"per round: {per_round}")
+    mixed = results.get("radixserve, half sampled")
+    if mixed:
+        ratio = median_throughput(mixed) / median_throughput(ours)
+        print(f"throughput ratio half sampled / all greedy (medians): {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -49,10 +49,8 @@ class _PaddedGroup:
 
     query_tokens: torch.Tensor  # int64 [n, q_max]: the packed token of each query row
     kv_slots: torch.Tensor  # int64 [n, k_max]
-    # [n, 1, q_max * group, k_max], bool (float 0/-inf for decodes); row i * group + h is query
-    # row i of the h-th query head sharing a KV head, which is how queries are laid out (see
-    # _attend_padded). None when n == 1: one sequence has no padding, and its
-    # bottom-right-aligned causal mask is implicit.
+    # [n, 1, q_max, k_max], bool (float 0/-inf for decodes), shared by every head. None when
+    # n == 1: one sequence has no padding, and its bottom-right-aligned causal mask is implicit.
     mask: torch.Tensor | None
 
 
@@ -75,7 +73,7 @@ class TorchNativeBackend(AttentionBackend):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int):
-        self.group = num_heads // num_kv_heads
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         # Built on the CPU from the CPU copies of the lengths, moved to the device once.
@@ -116,7 +114,7 @@ class TorchNativeBackend(AttentionBackend):
         mask = None
         if len(members) > 1:
             visible = torch.arange(k_max)[None, None, :] <= (prefix[:, None] + offsets)[:, :, None]
-            mask = visible.repeat_interleave(self.group, dim=1)[:, None]
+            mask = visible[:, None]
             if q_max == 1:
                 # Decodes, the hot path: SDPA on CPU runs ~20% faster with an additive float
                 # mask than with a boolean one. Extends keep the boolean: 4x less memory.
@@ -147,19 +145,14 @@ class TorchNativeBackend(AttentionBackend):
     def _attend_padded(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """q [n * q_max, heads, d], k and v [n, kv_heads, k_max, d] -> [n * q_max, heads, d].
-
-        The `group` query heads sharing a KV head are folded into the query-row axis, so that
-        the masked call needs no GQA support from whichever SDPA kernel runs it.
-        """
-        n, kv_heads, _, head_dim = k.shape
-        q_max = q.shape[0] // n
-        # [n, q_max, kv_heads, group, d] -> [n, kv_heads, q_max * group, d]
-        q = q.view(n, q_max, kv_heads, self.group, head_dim).transpose(1, 2)
-        q = q.reshape(n, kv_heads, q_max * self.group, head_dim)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        o = o.view(n, kv_heads, q_max, self.group, head_dim).transpose(1, 2)
-        return o.reshape(n * q_max, kv_heads * self.group, head_dim)
+        """q [n * q_max, heads, d], k and v [n, kv_heads, k_max, d] -> [n * q_max, heads, d]."""
+        n = k.shape[0]
+        heads, head_dim = q.shape[1:]
+        q = q.view(n, -1, heads, head_dim).transpose(1, 2)
+        # SDPA's own GQA: on the CPU ~1.8x faster for decodes than folding each KV head's query
+        # heads into the query-row axis (which repeats the mask too).
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return o.transpose(1, 2).reshape(-1, heads, head_dim)
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -48,8 +48,8 @@ class RMSNorm(LoadableModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The variance is taken in float32 whatever the model dtype, as the reference models do.
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return normed.mul_(self.weight)  # a fresh tensor in every dtype: no second temporary
 
 
 class RotaryEmbedding:
