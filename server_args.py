@@ -20,7 +20,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     mem_fraction_static: float = 0.85  # GPU memory fraction for weights + KV pool
     max_running_requests: int | None = None
     max_prefill_tokens: int = 16384  # token budget of one step
-    chunked_prefill_size: int = 2048  # longest prompt piece computed in one step; -1: no chunking
+    chunked_prefill_size: int = 2048  # prompt tokens computed in one step; -1: no chunking
     page_size: int = 1  # radix cache granularity: prefixes are matched in whole pages
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
@@ -38,7 +38,8 @@ _HELP = {
     "device": "auto | cpu | cuda",
     "max_total_tokens": "KV cache size in tokens",
     "max_prefill_tokens": "token budget of one scheduler step",
-    "chunked_prefill_size": "longest prompt chunk prefilled in one step (-1: no chunking)",
+    "chunked_prefill_size": "prompt tokens prefilled in one step, over all requests; a longer "
+    "prompt is prefilled in chunks (-1: no chunking)",
     "schedule_policy": "fcfs | lpm (longest prefix match first)",
 }
 

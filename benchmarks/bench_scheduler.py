@@ -43,7 +43,7 @@ def measure(running: int, steps: int, stream: bool = True) -> float:
         max_total_tokens=running * (PROMPT_LEN + steps + 8),
         max_running_requests=running,
         max_prefill_tokens=max(running * PROMPT_LEN, 16384),
-        chunked_prefill_size=PROMPT_LEN,
+        chunked_prefill_size=running * PROMPT_LEN,  # everyone prefilled in the first step
         context_len=4096,
         eos_token_ids=frozenset({0}),
     )

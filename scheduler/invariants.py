@@ -41,9 +41,10 @@ def check_invariants(s: Scheduler, batch: ScheduleBatch | None) -> None:
         _require(req.req_pool_idx is not None, f"running request {req.rid} holds no row")
     if batch is not None:
         _require(batch.num_tokens <= cfg.max_prefill_tokens, "the step went over its token budget")
+        _require(all(n > 0 for n in batch.extend_lens), "a request computes nothing")
         _require(
-            all(0 < n <= cfg.chunked_prefill_size or n == 1 for n in batch.extend_lens),
-            "a request computed more than a chunk in one step",
+            sum(n for n in batch.extend_lens if n > 1) <= cfg.chunked_prefill_size,
+            "the step's prompt tokens went over --chunked-prefill-size",
         )
 
     # Every KV slot is exactly one of: free, owned by the tree, or owned by one running request.

@@ -1,10 +1,12 @@
 """PrefillAdder: which waiting requests join this step, and how many prompt tokens each computes.
 
-Three budgets, as SGLang: the step's token budget, the chunk size (a long prompt is prefilled over
-several steps while decodes go on), and the KV slots that are free after a reserve for what the
-running requests will still generate. That reserve is an estimate: each running request is
-expected to generate `new_token_ratio` of its remaining max_new_tokens. When the estimate proves
-too low, decode retracts requests (scheduler.py) and the ratio is raised.
+Three budgets, as SGLang: the step's prompt tokens (the lesser of what --max-prefill-tokens leaves
+after the running requests and of --chunked-prefill-size: a long prompt, or a long queue, is
+prefilled over several steps while decodes go on), the free running slots, and the KV slots that
+are free after a reserve for what the running requests will still generate. That reserve is an
+estimate: each running request is expected to generate `new_token_ratio` of its remaining
+max_new_tokens. When the estimate proves too low, decode retracts requests (scheduler.py) and the
+ratio is raised.
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ def reserved_tokens(req: Req, ratio: float) -> int:
 
 @dataclass(slots=True)
 class PrefillAdder:
-    token_budget: int  # tokens left in this step after the running requests' share
-    chunk_size: int
+    token_budget: int  # prompt tokens left in this step after the running requests' share
     free_kv: int  # free slots after the running requests' reserve
     running_slots: int  # requests that may still start running
     ratio: float
@@ -54,7 +55,7 @@ class PrefillAdder:
         caller stops, so a later request never jumps one that does not fit. A request that gets
         only a chunk of its prompt ends admission for this step (`stopped`)."""
         need = reserved_tokens(req, self.ratio)
-        extend = min(req.num_uncomputed_tokens, self.token_budget, self.chunk_size)
+        extend = min(req.num_uncomputed_tokens, self.token_budget)
         if self.stopped or self.running_slots <= 0 or need > self.free_kv or extend <= 0:
             return 0
         self.free_kv -= need

@@ -50,6 +50,8 @@ class SchedulerConfig:
     max_total_tokens: int  # usable KV slots
     max_running_requests: int
     max_prefill_tokens: int  # token budget of one step
+    # Prompt tokens computed in one step, over all its requests (SGLang's chunked_prefill_size):
+    # a longer prompt, or a longer queue of them, is prefilled over several steps.
     chunked_prefill_size: int
     context_len: int
     eos_token_ids: frozenset[int]
@@ -165,9 +167,9 @@ class Scheduler:
         return batch
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        plan, num_decodes, retracted = self._plan_running()
+        plan, num_decodes, retracted, prefill_budget = self._plan_running()
         if self.waiting and not retracted:
-            plan += self._admit_waiting(sum(n for _, n, _ in plan))
+            plan += self._admit_waiting(prefill_budget)
         if not plan:
             return None
         reqs, extend_lens, emits = (list(column) for column in zip(*plan))
@@ -238,10 +240,11 @@ class Scheduler:
 
     # ---- planning ------------------------------------------------------------------------------
 
-    def _plan_running(self) -> tuple[list[Planned], int, bool]:
+    def _plan_running(self) -> tuple[list[Planned], int, bool, int]:
         """Tokens each running request computes this step: decodes 1 each, then prefill chunks
         in the budget left. Retracts requests until the plan's KV fits. Returns the plan, how
-        many of it are decodes, and whether anything was retracted."""
+        many of it are decodes, whether anything was retracted, and how many prompt tokens the
+        step may still take for waiting requests."""
         retracted = False
         while True:
             plan: list[Planned] = []
@@ -255,13 +258,15 @@ class Scheduler:
                 else:
                     prefilling.append((req, n))
             budget = self.config.max_prefill_tokens - len(plan)
+            chunk = self.config.chunked_prefill_size  # prompt tokens of the whole step
             for req, uncomputed in prefilling:
-                n = min(uncomputed, self.config.chunked_prefill_size, budget)
+                n = min(uncomputed, chunk, budget)
                 if n > 0:
                     plan.append((req, n, n == uncomputed))
                     budget -= n
+                    chunk -= n
             if self.config.max_prefill_tokens - budget <= self.kv.available:
-                return plan, num_decodes, retracted
+                return plan, num_decodes, retracted, min(budget, chunk)
             self._retract_one()
             retracted = True
 
@@ -285,14 +290,13 @@ class Scheduler:
             self.new_token_ratio.value,
         )
 
-    def _admit_waiting(self, running_tokens: int) -> list[Planned]:
+    def _admit_waiting(self, prefill_budget: int) -> list[Planned]:
         if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
             self._sort_waiting_by_prefix_match()
         ratio = self.new_token_ratio.value
         reserve = sum(reserved_tokens(r, ratio) for r in self.running)
         adder = PrefillAdder(
-            token_budget=self.config.max_prefill_tokens - running_tokens,
-            chunk_size=self.config.chunked_prefill_size,
+            token_budget=prefill_budget,
             free_kv=self.kv.available - reserve,
             running_slots=self.config.max_running_requests - len(self.running),
             ratio=ratio,
