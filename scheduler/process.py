@@ -11,7 +11,7 @@ import zmq
 from model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
 from model_worker.model_runner import ModelRunner
 from model_worker.parallel import TPGroup
-from process_setup import configure_process
+from process_setup import configure_process, keep_freed_memory
 from protocol import transport
 from protocol.internal import (
     AbortReq,
@@ -144,6 +144,7 @@ def run_scheduler_process(
     args: ServerArgs, model_path: str, ipc_dir: str, ready_writer: Connection
 ) -> None:
     configure_process("scheduler", args, torch_threads=args.torch_threads)
+    keep_freed_memory()
     proc = SchedulerProcess(args, model_path, ipc_dir)
     ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("scheduler")))
     proc.event_loop()
