@@ -95,8 +95,15 @@ class ModelRunner:
     def _kv_tokens_that_fit(self, kv_slot_bytes: int, mem_fraction_static: float) -> int:
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
+            free, _ = torch.cuda.mem_get_info(self.device)
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             budget = total * mem_fraction_static - weights
+            if budget > free:  # another process holds part of the GPU
+                raise RuntimeError(
+                    f"--mem-fraction-static {mem_fraction_static} asks for a KV cache of "
+                    f"{budget / 1e9:.1f} GB, but only {free / 1e9:.1f} GB of {self.device} is "
+                    "free: lower --mem-fraction-static or set --max-total-tokens"
+                )
             tokens = int(budget // kv_slot_bytes)
         else:
             tokens = int(_mem_total_bytes() * CPU_KV_MEMORY_FRACTION // kv_slot_bytes)

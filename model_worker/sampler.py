@@ -125,6 +125,7 @@ def _filter(
     them, so its nucleus lies inside. Else K is the whole vocabulary, sorted."""
     vocab = probs.shape[-1]
     k = min(vocab, max(FILTER_CANDIDATES, int(top_ks.max())))
+    top_ks, top_ps = top_ks.to(probs.device), top_ps.to(probs.device)
     values, order = probs.topk(k, dim=-1) if k < vocab else probs.sort(dim=-1, descending=True)
     nucleus_rows = (top_ks <= 0) & (top_ps < 1)
     if k < vocab and bool((nucleus_rows & (values.sum(-1) < top_ps)).any()):

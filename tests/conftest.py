@@ -1,11 +1,19 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where the in-process model tests run: the CPU, or `RADIXSERVE_TEST_DEVICE=cuda` on a GPU
+    box (the server tests take the GPU there by themselves: `--device auto`)."""
+    return torch.device(os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture

@@ -38,9 +38,11 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) ->
         (8, 2, [(4, 5), (9, 1)]),  # one of each
     ],
 )
-def test_matches_reference(num_heads: int, num_kv_heads: int, lens: list[tuple[int, int]]) -> None:
+def test_matches_reference(
+    device: torch.device, num_heads: int, num_kv_heads: int, lens: list[tuple[int, int]]
+) -> None:
     gen = torch.Generator().manual_seed(0)
-    pool = TokenToKVPool(NUM_SLOTS, 1, num_kv_heads, HEAD_DIM, dtype=torch.float32, device="cpu")
+    pool = TokenToKVPool(NUM_SLOTS, 1, num_kv_heads, HEAD_DIM, dtype=torch.float32, device=device)
     # Padding reads slot 0: make it loud, so that a mask letting it through fails the test.
     pool.k_buffers[0][0] = 1e4
     pool.v_buffers[0][0] = 1e4
@@ -54,7 +56,7 @@ def test_matches_reference(num_heads: int, num_kv_heads: int, lens: list[tuple[i
         kv_slots[i, : p + e] = torch.tensor([free.pop() for _ in range(p + e)])
         cached_k.append(torch.randn(p, num_kv_heads, HEAD_DIM, generator=gen))
         cached_v.append(torch.randn(p, num_kv_heads, HEAD_DIM, generator=gen))
-        pool.set_kv(0, kv_slots[i, :p], cached_k[-1], cached_v[-1])
+        pool.set_kv(0, kv_slots[i, :p].to(device), cached_k[-1].to(device), cached_v[-1].to(device))
     out_cache_loc = torch.cat([kv_slots[i, p : p + e] for i, (p, e) in enumerate(lens)])
     num_tokens = int(extend.sum())
     batch = ModelWorkerBatch(
@@ -66,18 +68,19 @@ def test_matches_reference(num_heads: int, num_kv_heads: int, lens: list[tuple[i
         kv_slots=kv_slots,
         sampling=make_info(0),
     )
-    fb = ForwardBatch.from_worker_batch(batch, torch.device("cpu"), pool)
+    fb = ForwardBatch.from_worker_batch(batch, device, pool)
     backend = create_attention_backend("torch_native", num_heads, num_kv_heads)
     backend.init_forward_metadata(fb)
     q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen)
     k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
 
-    out = backend.forward(q, k, v, 0, fb)
+    out = backend.forward(q.to(device), k.to(device), v.to(device), 0, fb).cpu()
+    k_cache, v_cache = pool.k_buffers[0].cpu(), pool.v_buffers[0].cpu()
 
     assert out.shape == q.shape
-    assert torch.equal(pool.k_buffers[0][out_cache_loc], k)
-    assert torch.equal(pool.v_buffers[0][out_cache_loc], v)
+    assert torch.equal(k_cache[out_cache_loc], k)
+    assert torch.equal(v_cache[out_cache_loc], v)
     start = 0
     for i, (p, e) in enumerate(lens):
         rows = slice(start, start + e)

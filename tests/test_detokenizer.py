@@ -132,7 +132,9 @@ def test_random_unicode_streams_to_the_whole_decode(tokenizer, text, seed):
     rng = random.Random(seed)
     sizes = iter(lambda: rng.randint(1, 4), None)
     pieces = stream(IncrementalDetokenizer(tokenizer), "r", chunks(ids, sizes))
-    assert "".join(pieces) == tokenizer.decode(ids)
+    # Special tokens are skipped, as the stream does: a tokenizer without byte fallback (the
+    # GGUF conversion of older transformers) encodes some characters as <|endoftext|>, its unk.
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_leading_spaces_come_from_the_previous_token():

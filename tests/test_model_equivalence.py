@@ -84,7 +84,7 @@ def step(runner: ModelRunner, work: list[tuple[Seq, int]]) -> None:
 def assert_matches_hf(hf: torch.nn.Module, s: Seq) -> None:
     with torch.no_grad():
         expected = hf(torch.tensor([s.tokens[: s.computed]])).logits[0]
-    ours = torch.cat(s.rows)
+    ours = torch.cat(s.rows).cpu()
     assert ours.shape == expected.shape
     diff = (ours - expected).abs().max().item()
     assert diff < TOLERANCE, f"max abs difference {diff:.2e}"
@@ -92,14 +92,14 @@ def assert_matches_hf(hf: torch.nn.Module, s: Seq) -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_and_decode_match_transformers(tiny_model, case: str) -> None:
+def test_prefill_and_decode_match_transformers(tiny_model, device, case: str) -> None:
     kind, overrides = CASES[case]
     path: Path = tiny_model(kind, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     runner = ModelRunner(
         str(path),
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=device,
         max_total_tokens=POOL_TOKENS,
         mem_fraction_static=0.0,
         tp=TPGroup(),
@@ -124,7 +124,9 @@ def test_prefill_and_decode_match_transformers(tiny_model, case: str) -> None:
 
 
 @pytest.mark.parametrize("repetition_penalty", [1.0, 1.5])
-def test_sharded_checkpoint_and_greedy_forward(tiny_model, repetition_penalty: float) -> None:
+def test_sharded_checkpoint_and_greedy_forward(
+    tiny_model, device, repetition_penalty: float
+) -> None:
     """Greedy decoding through ModelRunner.forward equals transformers', also with its
     repetition penalty. The prompt prefills in two chunks: the first one's sample is discarded,
     so it must not count as an output token."""
@@ -134,7 +136,7 @@ def test_sharded_checkpoint_and_greedy_forward(tiny_model, repetition_penalty: f
     runner = ModelRunner(
         str(path),
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=device,
         max_total_tokens=64,
         mem_fraction_static=0.0,
         tp=TPGroup(),

@@ -16,6 +16,10 @@ from client import AsyncClient, Client, ServerError
 from client.local_server import launched_server, raw_round_trip
 from model_worker.model_source import default_model_dir
 
+# Two servers run at once in this module: on a GPU each takes a third of it instead of the
+# default 85%, or the second would not fit (a CPU ignores the flag).
+GPU_SHARE = ("--mem-fraction-static", "0.3")
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -49,7 +53,7 @@ def hf_greedy(model_dir, tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def server(hf_greedy):
-    with launched_server("--dtype", "float32", "--check-invariants") as s:
+    with launched_server(*GPU_SHARE, "--dtype", "float32", "--check-invariants") as s:
         yield s
 
 
@@ -158,7 +162,7 @@ def test_too_long_prompt_is_refused(server):
 
 
 def test_a_dying_child_takes_the_server_down(hf_greedy):
-    with launched_server("--dtype", "float32") as s:
+    with launched_server(*GPU_SHARE, "--dtype", "float32") as s:
         children = s.children()
         assert len(s.server_processes()) == 3
         os.kill(s.server_processes()[-1], signal.SIGKILL)

@@ -12,6 +12,9 @@ from client import AsyncClient, Client
 from client.local_server import launched_server
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+# Two servers run at once in this module: on a GPU each takes a third of it instead of the
+# default 85%, or the second would not fit (a CPU ignores the flag).
+GPU_SHARE = ("--mem-fraction-static", "0.3")
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -31,6 +34,7 @@ async def _generate_all(address: str, prompts: list[list[int]], max_new: int) ->
 def solo_server():
     """A roomy server that runs one request at a time: the reference."""
     with launched_server(
+        *GPU_SHARE,
         "--dtype",
         "float32",
         "--max-running-requests",
@@ -55,7 +59,7 @@ def test_retraction_and_eviction_under_a_tiny_kv_pool_keep_every_output(solo_ser
     ]
     max_new = 48
     with launched_server(
-        "--dtype", "float32", "--max-total-tokens", "640", "--check-invariants"
+        *GPU_SHARE, "--dtype", "float32", "--max-total-tokens", "640", "--check-invariants"
     ) as s:
         outs = asyncio.run(_generate_all(s.address, prompts, max_new))
         with Client(s.address, timeout=60) as c:
@@ -69,6 +73,7 @@ def test_retraction_and_eviction_under_a_tiny_kv_pool_keep_every_output(solo_ser
 def test_long_prompt_is_chunked_while_others_decode(solo_server):
     long_prompt, short_prompt = _prompt(700, 1), _prompt(20, 2)
     with launched_server(
+        *GPU_SHARE,
         "--dtype",
         "float32",
         "--chunked-prefill-size",
@@ -111,7 +116,7 @@ def test_shared_prefix_is_served_from_the_cache(solo_server):
     a, b = system + _prompt(12, 8), system + _prompt(12, 9)
     params = {**GREEDY, "max_new_tokens": 16}
     with (
-        launched_server("--dtype", "float32", "--check-invariants") as s,
+        launched_server(*GPU_SHARE, "--dtype", "float32", "--check-invariants") as s,
         Client(s.address, timeout=600) as c,
     ):
         out_a = c.generate(input_ids=a, sampling_params=params)

@@ -84,7 +84,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn_backend.forward(q, k, v, self.layer_id, fb)
-        return self.o_proj(out.view(-1, q_size))
+        return self.o_proj(out.reshape(-1, q_size))
 
 
 class LlamaMLP(nn.Module):
