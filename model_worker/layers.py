@@ -129,6 +129,16 @@ class ColumnParallelLinear(LoadableModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def forward_pieces(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """One matmul per piece, on its rows of the fused weight: each output is contiguous,
+        where splitting forward's output gives views strided by the fused width."""
+        outputs, start = [], 0
+        for length in self.local_sizes:
+            bias = None if self.bias is None else self.bias[start : start + length]
+            outputs.append(F.linear(x, self.weight[start : start + length], bias))
+            start += length
+        return outputs
+
     def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
         param = getattr(self, name)
         _check_shape((self.output_sizes[piece], *param.shape[1:]), loaded.shape)

@@ -106,9 +106,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # In place on the projection's own output: at prefill sizes each temporary [T, inter]
-        # costs more in fresh memory than silu and the product cost in arithmetic.
+        # Contiguous halves: silu, the product and down_proj then run on dense rows (a decode step
+        # of 64 sequences ~4% faster on the 2-core CPU than chunking one fused output). In place:
+        # at prefill sizes each temporary [T, inter] costs more in fresh memory than the arithmetic.
+        gate, up = self.gate_up_proj.forward_pieces(x)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
