@@ -132,12 +132,10 @@ class ColumnParallelLinear(LoadableModule):
     def forward_pieces(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One matmul per piece, on its rows of the fused weight: each output is contiguous,
         where splitting forward's output gives views strided by the fused width."""
-        outputs, start = [], 0
-        for length in self.local_sizes:
-            bias = None if self.bias is None else self.bias[start : start + length]
-            outputs.append(F.linear(x, self.weight[start : start + length], bias))
-            start += length
-        return outputs
+        sizes = self.local_sizes
+        weights = self.weight.split(sizes)
+        biases = [None] * self.num_pieces if self.bias is None else self.bias.split(sizes)
+        return [F.linear(x, w, b) for w, b in zip(weights, biases)]
 
     def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
         param = getattr(self, name)
