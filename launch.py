@@ -18,12 +18,12 @@ from multiprocessing.connection import Connection, wait
 
 import msgspec
 
-from detokenizer.process import run_detokenizer_process
-from model_worker.model_source import ModelNotFound, resolve_model_path
-from protocol.internal import ProcessReady
-from scheduler.process import run_scheduler_process
-from server_args import ServerArgs, parse_server_args
-from tokenizer_manager.process import run_tokenizer_manager_process
+from radixserve.detokenizer.process import run_detokenizer_process
+from radixserve.model_worker.model_source import ModelNotFound, resolve_model_path
+from radixserve.protocol.internal import ProcessReady
+from radixserve.scheduler.process import run_scheduler_process
+from radixserve.server_args import ServerArgs, parse_server_args
+from radixserve.tokenizer_manager.process import run_tokenizer_manager_process
 
 logger = logging.getLogger("radixserve")
 

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from server_args import ServerArgs
+from radixserve.server_args import ServerArgs
 
 _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's malloc.h

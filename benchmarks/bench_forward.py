@@ -19,13 +19,13 @@ import time
 import torch
 from bench_serving import make_prompts
 
-from model_worker.model_runner import ModelRunner
-from model_worker.model_source import resolve_model_path
-from model_worker.parallel import TPGroup
-from process_setup import keep_freed_memory
-from protocol.internal import TokenizedGenerateReq
-from protocol.wire import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.model_worker.model_runner import ModelRunner
+from radixserve.model_worker.model_source import resolve_model_path
+from radixserve.model_worker.parallel import TPGroup
+from radixserve.process_setup import keep_freed_memory
+from radixserve.protocol.internal import TokenizedGenerateReq
+from radixserve.protocol.wire import SamplingParams
+from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def our_scheduler(path: str, args: argparse.Namespace) -> Scheduler:

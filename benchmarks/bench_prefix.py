@@ -14,9 +14,9 @@ import statistics
 
 from bench_serving import RunResult, make_prompts, print_table, run_load
 
-from client import Client
-from client.local_server import launched_server
-from model_worker.model_source import resolve_model_path
+from radixserve.client import Client
+from radixserve.client.local_server import launched_server
+from radixserve.model_worker.model_source import resolve_model_path
 
 
 def run(args: argparse.Namespace, prompts: list[list[int]], cache: bool) -> tuple[RunResult, int]:

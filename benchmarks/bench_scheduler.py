@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from model_worker.batch import ModelWorkerBatch, SampleOutput
-from protocol.internal import TokenizedGenerateReq
-from protocol.wire import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
+from radixserve.protocol.internal import TokenizedGenerateReq
+from radixserve.protocol.wire import SamplingParams
+from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PROMPT_LEN = 128
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from client import AsyncClient
-from client.local_server import launched_server
-from model_worker.model_source import resolve_model_path
+from radixserve.client import AsyncClient
+from radixserve.client.local_server import launched_server
+from radixserve.model_worker.model_source import resolve_model_path
 
 
 @dataclass

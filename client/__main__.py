@@ -1,3 +1,3 @@
-from client.cli import main
+from radixserve.client.cli import main
 
 raise SystemExit(main())

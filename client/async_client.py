@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from client.messages import (
+from radixserve.client.messages import (
     DEFAULT_ADDRESS,
     DEFAULT_MAX_REPLY_BYTES,
     ProtocolError,
@@ -23,7 +23,7 @@ from client.messages import (
     require_one_completion,
     server_error,
 )
-from protocol.wire import (
+from radixserve.protocol.wire import (
     AbortRequest,
     ClientRequest,
     ErrorReply,

@@ -1,4 +1,5 @@
-"""`python -m client "prompt"`: one completion, or one control call, from the command line."""
+"""`radixserve-client "prompt"` (or `python -m radixserve.client`): one completion, or one control
+call, from the command line."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from typing import Any
 
 import msgspec
 
-from client.messages import ProtocolError, ServerError, tcp_address
-from client.sync_client import Client
+from radixserve.client.messages import ProtocolError, ServerError, tcp_address
+from radixserve.client.sync_client import Client
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m client", description="Talk to a radixserve server."
+        prog="radixserve-client", description="Talk to a radixserve server."
     )
     parser.add_argument("prompt", nargs="?", help="the prompt (plain text, or with --chat)")
     parser.add_argument("--host", default="127.0.0.1")

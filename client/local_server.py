@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from client.sync_client import Client
+from radixserve.client.sync_client import Client
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,13 +55,20 @@ def _cmdline(pid: int) -> bytes:
 
 
 @contextmanager
-def launched_server(*args: str, start_timeout: float = 300) -> Iterator[LaunchedServer]:
+def launched_server(
+    *args: str,
+    start_timeout: float = 300,
+    command: Sequence[str] = (sys.executable, "-m", "radixserve.launch"),
+    cwd: Path | None = None,
+) -> Iterator[LaunchedServer]:
+    """`command` starts the server (an installed `radixserve` entry point, say); `args` follow
+    its `--port`."""
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="radixserve-test-", suffix=".log")[1])
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "launch", "--port", str(port), *args],
-            cwd=REPO_ROOT,
+            [*command, "--port", str(port), *args],
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.wire import (
+from radixserve.protocol.wire import (
     ChatMessage,
     ClientRequest,
     ErrorReply,

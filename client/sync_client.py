@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import zmq
 
-from client.messages import (
+from radixserve.client.messages import (
     DEFAULT_ADDRESS,
     DEFAULT_MAX_REPLY_BYTES,
     WireCodec,
@@ -20,7 +20,7 @@ from client.messages import (
     require_one_completion,
     server_error,
 )
-from protocol.wire import (
+from radixserve.protocol.wire import (
     AbortRequest,
     ClientRequest,
     ErrorReply,

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from protocol.internal import ReqStrOut, ReqTokenOut, StopReq
-from protocol.wire import FinishReason
+from radixserve.protocol.internal import ReqStrOut, ReqTokenOut, StopReq
+from radixserve.protocol.wire import FinishReason
 
 # What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
 REPLACEMENT_CHAR = "\ufffd"

@@ -8,11 +8,11 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
-from detokenizer.incremental import BatchDecoder, IncrementalDetokenizer
-from process_setup import configure_process
-from protocol import transport
-from protocol.internal import BatchStrOut, BatchTokenOut, ProcessReady
-from server_args import ServerArgs
+from radixserve.detokenizer.incremental import BatchDecoder, IncrementalDetokenizer
+from radixserve.process_setup import configure_process
+from radixserve.protocol import transport
+from radixserve.protocol.internal import BatchStrOut, BatchTokenOut, ProcessReady
+from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

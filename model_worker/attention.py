@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model_worker.batch import ModelWorkerBatch
-from model_worker.kv_pool import TokenToKVPool
+from radixserve.model_worker.batch import ModelWorkerBatch
+from radixserve.model_worker.kv_pool import TokenToKVPool
 
 
 @dataclass(slots=True)

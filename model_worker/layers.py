@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_worker.model_config import RopeConfig
-from model_worker.parallel import TPGroup
+from radixserve.model_worker.model_config import RopeConfig
+from radixserve.model_worker.parallel import TPGroup
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

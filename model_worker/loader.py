@@ -7,8 +7,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from model_worker.layers import LoadableModule
-from model_worker.models.base import CausalLM
+from radixserve.model_worker.layers import LoadableModule
+from radixserve.model_worker.models.base import CausalLM
 
 
 class WeightLoadError(RuntimeError):

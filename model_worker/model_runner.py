@@ -7,15 +7,15 @@ from pathlib import Path
 
 import torch
 
-from model_worker.attention import create_attention_backend
-from model_worker.batch import ModelWorkerBatch, SampleOutput
-from model_worker.forward_batch import ForwardBatch
-from model_worker.kv_pool import TokenToKVPool
-from model_worker.loader import load_weights
-from model_worker.model_config import ModelConfig
-from model_worker.models import get_model_class
-from model_worker.parallel import TPGroup
-from model_worker.sampler import Sampler
+from radixserve.model_worker.attention import create_attention_backend
+from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
+from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.kv_pool import TokenToKVPool
+from radixserve.model_worker.loader import load_weights
+from radixserve.model_worker.model_config import ModelConfig
+from radixserve.model_worker.models import get_model_class
+from radixserve.model_worker.parallel import TPGroup
+from radixserve.model_worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 

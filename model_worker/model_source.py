@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from server_args import DEFAULT_MODEL
+from radixserve.server_args import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
 

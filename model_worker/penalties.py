@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_worker.batch import SamplingBatchInfo
+from radixserve.model_worker.batch import SamplingBatchInfo
 
 
 def penalised_rows(info: SamplingBatchInfo) -> torch.Tensor:

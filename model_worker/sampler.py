@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model_worker.batch import SampleOutput, SamplingBatchInfo
-from model_worker.penalties import PenaltyState, penalised_rows
+from radixserve.model_worker.batch import SampleOutput, SamplingBatchInfo
+from radixserve.model_worker.penalties import PenaltyState, penalised_rows
 
 
 class Sampler:

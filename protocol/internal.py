@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.wire import FinishReason, SamplingParams, ServerInfoReply
+from radixserve.protocol.wire import FinishReason, SamplingParams, ServerInfoReply
 
 
 class _Msg(msgspec.Struct, tag_field="kind", array_like=True):

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from scheduler.schedule_batch import ScheduleBatch
-    from scheduler.scheduler import Scheduler
+    from radixserve.scheduler.schedule_batch import ScheduleBatch
+    from radixserve.scheduler.scheduler import Scheduler
 
 
 class InvariantError(AssertionError):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.memory_pool import ReqToTokenPool, TokenSlotAllocator
-from scheduler.radix_cache import RadixCache
-from scheduler.req import Req
+from radixserve.scheduler.memory_pool import ReqToTokenPool, TokenSlotAllocator
+from radixserve.scheduler.radix_cache import RadixCache
+from radixserve.scheduler.req import Req
 
 
 class KVManager:

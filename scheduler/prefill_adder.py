@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.req import Req
+from radixserve.scheduler.req import Req
 
 # Remaining-output estimates are capped so one request asking for 100k tokens cannot block all.
 CLIP_MAX_NEW_TOKENS = 4096

@@ -8,12 +8,12 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
-from model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
-from model_worker.model_runner import ModelRunner
-from model_worker.parallel import TPGroup
-from process_setup import configure_process, keep_freed_memory
-from protocol import transport
-from protocol.internal import (
+from radixserve.model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
+from radixserve.model_worker.model_runner import ModelRunner
+from radixserve.model_worker.parallel import TPGroup
+from radixserve.process_setup import configure_process, keep_freed_memory
+from radixserve.protocol import transport
+from radixserve.protocol.internal import (
     AbortReq,
     BatchTokenOut,
     FlushCacheOut,
@@ -27,9 +27,9 @@ from protocol.internal import (
     StopReq,
     TokenizedGenerateReq,
 )
-from protocol.wire import FinishReason
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from server_args import ServerArgs
+from radixserve.protocol.wire import FinishReason
+from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.memory_pool import TokenSlotAllocator
+from radixserve.scheduler.memory_pool import TokenSlotAllocator
 
 # The first token of a child's key (page_size 1), or its first page as a tuple.
 ChildKey = int | tuple[int, ...]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.wire import FinishReason, SamplingParams
-from scheduler.radix_cache import TreeNode
+from radixserve.protocol.wire import FinishReason, SamplingParams
+from radixserve.scheduler.radix_cache import TreeNode
 
 
 @dataclass(slots=True, eq=False)

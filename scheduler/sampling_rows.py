@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model_worker.batch import PenaltyInit, SamplingBatchInfo
-from scheduler.req import Req
+from radixserve.model_worker.batch import PenaltyInit, SamplingBatchInfo
+from radixserve.scheduler.req import Req
 
 # Column order of each table.
 FLOATS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")

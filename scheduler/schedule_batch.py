@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model_worker.batch import ModelWorkerBatch, PenaltyInit
-from scheduler.memory_pool import ReqToTokenPool
-from scheduler.req import Req
-from scheduler.sampling_rows import SamplingRows
+from radixserve.model_worker.batch import ModelWorkerBatch, PenaltyInit
+from radixserve.scheduler.memory_pool import ReqToTokenPool
+from radixserve.scheduler.req import Req
+from radixserve.scheduler.sampling_rows import SamplingRows
 
 
 @dataclass(slots=True)

@@ -14,16 +14,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from model_worker.batch import ModelWorkerBatch, SampleOutput
-from protocol.internal import ReqError, ReqTokenOut, TokenizedGenerateReq
-from protocol.wire import FinishReason, ServerInfoReply
-from scheduler.invariants import check_invariants
-from scheduler.kv_manager import KVManager
-from scheduler.prefill_adder import NewTokenRatio, PrefillAdder, reserved_tokens
-from scheduler.radix_cache import common_prefix_len
-from scheduler.req import Req
-from scheduler.sampling_rows import SamplingRows
-from scheduler.schedule_batch import ScheduleBatch
+from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
+from radixserve.protocol.internal import ReqError, ReqTokenOut, TokenizedGenerateReq
+from radixserve.protocol.wire import FinishReason, ServerInfoReply
+from radixserve.scheduler.invariants import check_invariants
+from radixserve.scheduler.kv_manager import KVManager
+from radixserve.scheduler.prefill_adder import NewTokenRatio, PrefillAdder, reserved_tokens
+from radixserve.scheduler.radix_cache import common_prefix_len
+from radixserve.scheduler.req import Req
+from radixserve.scheduler.sampling_rows import SamplingRows
+from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger("radixserve.scheduler")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from model_worker.batch import ModelWorkerBatch, SampleOutput
+from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
 
 VOCAB = 1000
 EOS = 0

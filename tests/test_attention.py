@@ -6,10 +6,10 @@ import pytest
 import torch
 from test_sampler import make_info
 
-from model_worker.attention import create_attention_backend
-from model_worker.batch import ModelWorkerBatch
-from model_worker.forward_batch import ForwardBatch
-from model_worker.kv_pool import TokenToKVPool
+from radixserve.model_worker.attention import create_attention_backend
+from radixserve.model_worker.batch import ModelWorkerBatch
+from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.kv_pool import TokenToKVPool
 
 HEAD_DIM = 8
 NUM_SLOTS = 400

@@ -21,10 +21,10 @@ import msgspec
 import pytest
 import zmq
 
-from client import AsyncClient, Client, ProtocolError, ServerError
-from client.cli import main
-from client.messages import WireCodec
-from protocol.wire import (
+from radixserve.client import AsyncClient, Client, ProtocolError, ServerError
+from radixserve.client.cli import main
+from radixserve.client.messages import WireCodec
+from radixserve.protocol.wire import (
     AbortRequest,
     ClientRequest,
     ErrorReply,

@@ -16,11 +16,11 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
-from detokenizer.process import run_detokenizer_process
-from model_worker.model_source import default_model_dir
-from protocol import transport
-from protocol.internal import (
+from radixserve.detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
+from radixserve.detokenizer.process import run_detokenizer_process
+from radixserve.model_worker.model_source import default_model_dir
+from radixserve.protocol import transport
+from radixserve.protocol.internal import (
     BatchStrOut,
     BatchTokenOut,
     ProcessReady,
@@ -28,8 +28,8 @@ from protocol.internal import (
     ReqTokenOut,
     StopReq,
 )
-from protocol.wire import FinishReason
-from server_args import ServerArgs
+from radixserve.protocol.wire import FinishReason
+from radixserve.server_args import ServerArgs
 
 # Emoji (with ZWJ sequences and flags), CJK, accents and Greek: all split across BPE tokens.
 TEXTS = [

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_worker.model_config import ModelConfig, RopeConfig, resolve_dtype
+from radixserve.model_worker.model_config import ModelConfig, RopeConfig, resolve_dtype
 
 LLAMA31_V4 = {
     "architectures": ["LlamaForCausalLM"],

@@ -16,9 +16,9 @@ import torch
 from test_sampler import make_info
 from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
-from model_worker.batch import ModelWorkerBatch, PenaltyInit
-from model_worker.model_runner import ModelRunner
-from model_worker.parallel import TPGroup
+from radixserve.model_worker.batch import ModelWorkerBatch, PenaltyInit
+from radixserve.model_worker.model_runner import ModelRunner
+from radixserve.model_worker.parallel import TPGroup
 
 TOLERANCE = 1e-4
 POOL_TOKENS = 200

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_worker.loader import WeightLoadError
-from model_worker.model_runner import ModelRunner
-from model_worker.parallel import TPGroup
+from radixserve.model_worker.loader import WeightLoadError
+from radixserve.model_worker.model_runner import ModelRunner
+from radixserve.model_worker.parallel import TPGroup
 
 
 def load(path: Path) -> ModelRunner:

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler.memory_pool import TokenSlotAllocator
-from scheduler.radix_cache import RadixCache, TreeNode, common_prefix_len
+from radixserve.scheduler.memory_pool import TokenSlotAllocator
+from radixserve.scheduler.radix_cache import RadixCache, TreeNode, common_prefix_len
 
 Prefix = tuple[int, ...]
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from model_worker.batch import PenaltyInit, SamplingBatchInfo
-from model_worker.sampler import Sampler, _filter, mix64
+from radixserve.model_worker.batch import PenaltyInit, SamplingBatchInfo
+from radixserve.model_worker.sampler import Sampler, _filter, mix64
 
 VOCAB = 50
 CPU = torch.device("cpu")

@@ -9,9 +9,9 @@ import torch
 from test_sampler import CPU, make_info, random_logits
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from model_worker.batch import PenaltyInit
-from model_worker.penalties import PenaltyState, penalised_rows
-from model_worker.sampler import Sampler
+from radixserve.model_worker.batch import PenaltyInit
+from radixserve.model_worker.penalties import PenaltyState, penalised_rows
+from radixserve.model_worker.sampler import Sampler
 
 
 def histories(n: int, seed: int) -> list[tuple[list[int], list[int]]]:

@@ -7,9 +7,9 @@ import random
 import pytest
 from fake_worker import EOS, FakeModelWorker, reference_tokens
 
-from protocol.internal import TokenizedGenerateReq
-from protocol.wire import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.protocol.internal import TokenizedGenerateReq
+from radixserve.protocol.wire import SamplingParams
+from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def make_scheduler(

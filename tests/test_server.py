@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from client import AsyncClient, Client, ServerError
-from client.local_server import REPO_ROOT, launched_server, raw_round_trip
-from model_worker.model_source import default_model_dir
+from radixserve.client import AsyncClient, Client, ServerError
+from radixserve.client.local_server import REPO_ROOT, launched_server, raw_round_trip
+from radixserve.model_worker.model_source import default_model_dir
 
 # Two servers run at once in this module: on a GPU each takes a third of it instead of the
 # default 85%, or the second would not fit (a CPU ignores the flag).
@@ -71,9 +71,11 @@ def test_greedy_tokens_equal_transformers_generate(server, hf_greedy):
 def test_readme_prompt_command_answers(server):
     """The README's command that asks the default model something, run as a user runs it."""
     lines = (REPO_ROOT / "README.md").read_text().splitlines()
-    command = next(line.strip() for line in lines if line.strip().startswith("python3 -m client"))
+    command = next(
+        line.strip() for line in lines if line.strip().startswith("python3 -m radixserve.client")
+    )
     port = server.address.rsplit(":", 1)[1]
-    argv = [sys.executable, "-m", "client", "--port", port, *shlex.split(command)[3:]]
+    argv = [sys.executable, "-m", "radixserve.client", "--port", port, *shlex.split(command)[3:]]
     out = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from client import AsyncClient, Client
-from client.local_server import launched_server
+from radixserve.client import AsyncClient, Client
+from radixserve.client.local_server import launched_server
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 # Two servers run at once in this module: on a GPU each takes a third of it instead of the

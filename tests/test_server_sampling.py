@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
-from client import AsyncClient, Client
-from client.local_server import launched_server, raw_round_trip
-from model_worker.model_source import default_model_dir
+from radixserve.client import AsyncClient, Client
+from radixserve.client.local_server import launched_server, raw_round_trip
+from radixserve.model_worker.model_source import default_model_dir
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 

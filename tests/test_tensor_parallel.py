@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_sampler import make_info
 
-from model_worker.batch import ModelWorkerBatch
-from model_worker.model_runner import ModelRunner
-from model_worker.parallel import TPGroup
+from radixserve.model_worker.batch import ModelWorkerBatch
+from radixserve.model_worker.model_runner import ModelRunner
+from radixserve.model_worker.parallel import TPGroup
 
 TP = 2
 TOLERANCE = 1e-4

@@ -17,9 +17,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
-from protocol import transport
-from protocol.internal import (
+from radixserve.model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
+from radixserve.protocol import transport
+from radixserve.protocol.internal import (
     AbortReq,
     BatchStrOut,
     FlushCacheOut,
@@ -34,7 +34,7 @@ from protocol.internal import (
     TokenizedGenerateReq,
     TokenizerManagerInput,
 )
-from protocol.wire import (
+from radixserve.protocol.wire import (
     AbortRequest,
     ClientRequest,
     ErrorReply,
@@ -49,8 +49,8 @@ from protocol.wire import (
     OutputReply,
     ServerInfoRequest,
 )
-from server_args import ServerArgs
-from tokenizer_manager.tokenization import Tokenization
+from radixserve.server_args import ServerArgs
+from radixserve.tokenizer_manager.tokenization import Tokenization
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
 

@@ -8,10 +8,10 @@ from multiprocessing.connection import Connection
 import msgspec
 import uvloop
 
-from process_setup import configure_process
-from protocol.internal import ProcessReady
-from server_args import ServerArgs
-from tokenizer_manager.manager import TokenizerManager
+from radixserve.process_setup import configure_process
+from radixserve.protocol.internal import ProcessReady
+from radixserve.server_args import ServerArgs
+from radixserve.tokenizer_manager.manager import TokenizerManager
 
 
 async def _serve(manager: TokenizerManager, ready_writer: Connection) -> None:

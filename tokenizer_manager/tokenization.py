@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from protocol.wire import GenerateRequest
+from radixserve.protocol.wire import GenerateRequest
 
 
 class Tokenization:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from model_worker.models.base import CausalLM
-from model_worker.models.llama import LlamaForCausalLM
+from radixserve.model_worker.models.base import CausalLM
+from radixserve.model_worker.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: Mapping[str, type[CausalLM]] = MappingProxyType(
     {

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.forward_batch import ForwardBatch
 
 
 class CausalLM(nn.Module, ABC):

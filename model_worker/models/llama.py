@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_worker.attention import AttentionBackend
-from model_worker.forward_batch import ForwardBatch
-from model_worker.layers import (
+from radixserve.model_worker.attention import AttentionBackend
+from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.layers import (
     ColumnParallelLinear,
     RMSNorm,
     RotaryEmbedding,
@@ -20,9 +20,9 @@ from model_worker.layers import (
     VocabParallelEmbedding,
     apply_rotary,
 )
-from model_worker.model_config import ModelConfig
-from model_worker.models.base import CausalLM
-from model_worker.parallel import TPGroup
+from radixserve.model_worker.model_config import ModelConfig
+from radixserve.model_worker.models.base import CausalLM
+from radixserve.model_worker.parallel import TPGroup
 
 # Checkpoint projections that live in one of our fused layers: name -> (fused name, piece).
 _FUSED = {
