@@ -8,6 +8,17 @@ from __future__ import annotations
 
 import msgspec
 
+# Bounds on what a client controls. Integers that become int64 tensor entries must fit one (a
+# seed of 2**63 once killed the scheduler); counts and lengths past these are mistakes or attacks.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 128  # completions of one request (OpenAI's limit)
+MAX_TOP_K = 2**31 - 1  # any k past the vocabulary keeps every token
+MAX_TOP_LOGPROBS = 256
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_RID_CHARS = 256
+
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     max_new_tokens: int = 128
@@ -30,13 +41,32 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             (self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+            (
+                self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K,
+                f"top_k must be -1 (off) or in [1, {MAX_TOP_K}]",
+            ),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (self.n >= 1, "n must be >= 1"),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]"),
+            (
+                self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+                "seed must fit in 64 bits: [-2**63, 2**63 - 1]",
+            ),
+            (
+                len(self.stop) <= MAX_STOP_STRINGS,
+                f"stop holds more than {MAX_STOP_STRINGS} strings",
+            ),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters",
+            ),
+            (
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                f"stop_token_ids holds more than {MAX_STOP_TOKEN_IDS} ids",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -80,12 +110,22 @@ class GenerateRequest(_Request, tag="generate"):
             raise ValueError("exactly one of text, input_ids or messages is required")
         if not (self.text or self.input_ids or self.messages):
             raise ValueError(f"{given[0]} must not be empty")
-        if self.top_logprobs_num < 0:
-            raise ValueError("top_logprobs_num must be >= 0")
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+        check_rid(self.rid)
 
 
 class AbortRequest(_Request, tag="abort"):
     rid: str
+
+    def __post_init__(self) -> None:
+        check_rid(self.rid)
+
+
+def check_rid(rid: str | None) -> None:
+    # A rid travels in every step's messages and every reply: keep it short.
+    if rid is not None and len(rid) > MAX_RID_CHARS:
+        raise ValueError(f"rid must be at most {MAX_RID_CHARS} characters")
 
 
 class HealthRequest(_Request, tag="health"):

@@ -92,10 +92,13 @@ class SchedulerProcess:
 
     def event_loop(self) -> None:
         scheduler = self.scheduler
+        ran = False
         while True:
-            for msg in self.recv_requests(block=not scheduler.has_unfinished()):
+            # Sleep until a message comes when the last step ran nothing: then nothing can run
+            # until something changes (idle, or waiting requests that do not fit yet).
+            for msg in self.recv_requests(block=not ran):
                 self.process_input_request(msg)
-            scheduler.step()
+            ran = scheduler.step() is not None
             self.stream_output()
 
     def recv_requests(self, block: bool) -> list[msgspec.Struct]:

@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
+
 from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
 from radixserve.protocol.internal import ReqError, ReqTokenOut, TokenizedGenerateReq
 from radixserve.protocol.wire import FinishReason, ServerInfoReply
@@ -111,7 +113,12 @@ class Scheduler:
                 f"the prompt has {n_prompt} tokens; the context length is "
                 f"{self.config.context_len}, which must leave room for at least one new token",
             )
-        peak = min(n_prompt + params.max_new_tokens, self.config.context_len)
+        # Clipped to the context, as SGLang and vLLM do: admission reserves KV for max_new_tokens,
+        # so an unclipped one could be accepted here and never admitted, blocking the queue.
+        max_new = min(params.max_new_tokens, self.config.context_len - n_prompt)
+        if max_new != params.max_new_tokens:
+            params = msgspec.structs.replace(params, max_new_tokens=max_new)
+        peak = n_prompt + max_new
         if peak > self.config.max_total_tokens:
             return ReqError(
                 msg.rid,

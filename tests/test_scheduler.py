@@ -130,6 +130,18 @@ def test_max_new_tokens_past_context_stops_at_context():
     assert outs[-1].finished_reason.type == "length"
 
 
+def test_max_new_tokens_past_context_is_admitted_even_with_a_pessimistic_reserve():
+    """Admission reserves KV for max_new_tokens: unclipped, a request that add_request accepted
+    (its peak is capped by the context) could never be admitted and would block the queue."""
+    s = make_scheduler(pool=80, context=64)
+    s.new_token_ratio.value = 1.0  # as after retractions: reserve every future token
+    p = list(range(1, 11))
+    assert s.add_request(gen("a", p, 1000)) is None
+    outs = run_to_completion(s, max_steps=200)["a"]
+    assert tokens_of(outs) == reference_tokens(p, 54)
+    assert outs[-1].finished_reason.type == "length"
+
+
 @pytest.mark.parametrize("when", ["waiting", "running", "mid_chunk"])
 def test_abort_frees_everything(when):
     s = make_scheduler(chunk=16, budget=64)

@@ -202,12 +202,44 @@ INVALID = [
     ({"max_new_tokens": -1}, "max_new_tokens"),
     ({"stop_token_ids": [10**8]}, "stop_token_ids"),
     ({"no_such_knob": 1}, "no_such_knob"),
+    # Past int64: these once passed decoding and killed the scheduler writing its tensors.
+    ({"seed": 2**63}, "seed"),
+    ({"seed": 2**64 - 1}, "seed"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"n": 10**6}, "n"),
+    ({"stop": ["x"] * 1000}, "stop"),
+    ({"stop": ["x" * 100_000]}, "stop"),
+    ({"stop_token_ids": [1] * 100_000}, "stop_token_ids"),
+]
+INVALID_REQUEST_FIELDS = [
+    ({"top_logprobs_num": 2**63, "return_logprob": True}, "top_logprobs_num"),
+    ({"top_logprobs_num": 10**6, "return_logprob": True}, "top_logprobs_num"),
 ]
 
 
-@pytest.mark.parametrize("params, field", INVALID)
-def test_invalid_sampling_values_are_refused_by_name(server, params, field):
-    request = {"type": "generate", "text": "hi", "sampling_params": params}
+@pytest.mark.parametrize(
+    "fields, field",
+    [({"sampling_params": p}, f) for p, f in INVALID] + INVALID_REQUEST_FIELDS,
+)
+def test_invalid_values_are_refused_by_name_with_the_rid(server, fields, field):
+    request = {"type": "generate", "rid": "bad-one", "text": "hi", **fields}
     reply = raw_round_trip(server.address, msgspec.msgpack.encode(request))
     assert reply["type"] == "error" and reply["code"] == "invalid_request"
     assert field in reply["message"]
+    assert reply["rid"] == "bad-one"  # a client with many requests in flight knows which failed
+    with Client(server.address, timeout=60) as c:  # and the server goes on
+        assert c.generate("Hi", sampling_params={"max_new_tokens": 1}).finished
+
+
+def test_overlong_rid_is_refused_without_echoing_it(server):
+    request = {"type": "generate", "rid": "r" * 100_000, "text": "hi"}
+    reply = raw_round_trip(server.address, msgspec.msgpack.encode(request))
+    assert reply["type"] == "error" and "rid" in reply["message"]
+    assert "rid" not in reply
+
+
+def test_largest_seed_with_n_completions_still_serves(server):
+    params = {"seed": 2**63 - 1, "n": 3, "max_new_tokens": 3, "temperature": 1.0}
+    with Client(server.address, timeout=60) as c:
+        outs = list(c.stream("Hello", sampling_params=params))
+    assert sorted(o.index for o in outs if o.finished) == [0, 1, 2]

@@ -35,6 +35,8 @@ from radixserve.protocol.internal import (
     TokenizerManagerInput,
 )
 from radixserve.protocol.wire import (
+    INT64_MIN,
+    MAX_RID_CHARS,
     AbortRequest,
     ClientRequest,
     ErrorReply,
@@ -124,7 +126,7 @@ class TokenizerManager:
         try:
             return self.client_decoder.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise _ClientError("invalid_request", str(e)) from None
+            raise _ClientError("invalid_request", str(e), _rid_of(payload)) from None
 
     async def handle_request(self, envelope: Envelope, req: msgspec.Struct) -> None:
         match req:
@@ -159,7 +161,7 @@ class TokenizerManager:
             params = req.sampling_params
             if n > 1:
                 # Each completion samples on its own; seeded ones stay reproducible (seed + i).
-                seed = None if params.seed is None else params.seed + i
+                seed = None if params.seed is None else _wrap_int64(params.seed + i)
                 params = msgspec.structs.replace(params, n=1, seed=seed)
             self.rid_states[sub_rid] = ReqState(envelope, req.stream, rid, i if n > 1 else None)
             msg = TokenizedGenerateReq(
@@ -264,6 +266,29 @@ class TokenizerManager:
 
     async def reply(self, envelope: Envelope, reply: msgspec.Struct) -> None:
         await self.router.send_multipart([*envelope, self.encoder.encode(reply)])
+
+
+class _RidOnly(msgspec.Struct):
+    rid: str | None = None
+
+
+_rid_decoder = msgspec.msgpack.Decoder(_RidOnly)
+
+
+def _rid_of(payload: bytes) -> str | None:
+    """The rid of a request that failed validation, so that its error can name it (WIRE.md: the
+    rid goes back whenever it is known); None when even that cannot be read."""
+    try:
+        rid = _rid_decoder.decode(payload).rid
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return rid if rid is not None and len(rid) <= MAX_RID_CHARS else None
+
+
+def _wrap_int64(value: int) -> int:
+    """value mod 2**64 as a signed 64-bit integer: completion i of a seeded request draws from
+    seed + i, which must stay a valid seed at the top of the range."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
 
 
 class _ClientError(Exception):
