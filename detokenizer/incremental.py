@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from radixserve.detokenizer.stop_matcher import StopMatcher
 from radixserve.protocol.internal import ReqStrOut, ReqTokenOut, StopReq
 from radixserve.protocol.wire import FinishReason
 
@@ -44,25 +45,35 @@ class DecodeState:
     prefix_offset: int = 0
     read_offset: int = 0
     held: str = ""  # decoded text not sent yet because it may begin a stop string
+    stop_matcher: StopMatcher | None = None  # for a request with stop strings
 
     def windows(self, end: int) -> tuple[list[int], list[int]]:
         """The emitted context alone, and the context followed by the new ids up to `end`."""
         return self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset : end]
 
 
+@dataclass(slots=True, frozen=True)
+class Stopped:
+    """A request whose stop string matched, until the scheduler's final output for it."""
+
+    matched: str
+    completion_tokens: int  # what the client was sent: the tokens up to the match's step
+
+
 class IncrementalDetokenizer:
     """Turns each step's new token ids into new text, keeping per-request state until finish.
 
     It also matches stop strings: text that may begin one is held back, so a stop string split
-    across steps is still found and never half sent. A match ends the request here, at once, and
-    asks the scheduler (StopReq) to stop generating; what the scheduler sends for it after that
-    is dropped.
+    across steps is still found and never half sent. A match sends the text before it and asks
+    the scheduler (StopReq) to end the request; the scheduler alone ends requests, so the
+    request's final output is the one the scheduler sends next for it, which goes out as
+    finished by that stop string. What the scheduler sent in between is dropped.
     """
 
     def __init__(self, tokenizer: BatchDecoder):
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
-        self.stopped: set[str] = set()  # ended on a stop string; the scheduler's final is pending
+        self.stopped: dict[str, Stopped] = {}
 
     def __len__(self) -> int:
         return len(self.states)
@@ -70,10 +81,16 @@ class IncrementalDetokenizer:
     def step(self, outs: list[ReqTokenOut]) -> tuple[list[ReqStrOut], list[StopReq]]:
         """Text for each output (it may be empty while a character or a stop string is split),
         and the requests the scheduler must stop."""
-        live = [out for out in outs if not self._drop_after_stop(out)]
+        strs: list[ReqStrOut] = []
+        live = []
+        for out in outs:
+            if out.rid not in self.stopped:
+                live.append(out)
+            elif out.finished_reason is not None:  # what came between match and final is dropped
+                strs.append(self._final_after_stop(out))
         states = [self._extend(out) for out in live]
         new_texts = self._decode_new_texts(live, states)
-        strs, stops = [], []
+        stops = []
         for out, state, text in zip(live, states, new_texts):
             str_out, stop = self._emit(out, state, text)
             strs.append(str_out)
@@ -81,12 +98,21 @@ class IncrementalDetokenizer:
                 stops.append(stop)
         return strs, stops
 
-    def _drop_after_stop(self, out: ReqTokenOut) -> bool:
-        if out.rid not in self.stopped:
-            return False
-        if out.finished_reason is not None:
-            self.stopped.discard(out.rid)
-        return True
+    def _final_after_stop(self, out: ReqTokenOut) -> ReqStrOut:
+        """The scheduler's final for a request whose stop string matched: it ends the request as
+        the stop string did, with no more text or tokens."""
+        stopped = self.stopped.pop(out.rid)
+        return ReqStrOut(
+            rid=out.rid,
+            text="",
+            new_token_ids=[],
+            finished_reason=FinishReason("stop", stopped.matched),
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=stopped.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            output_token_logprobs=None if out.output_token_logprobs is None else [],
+            output_top_logprobs=None if out.output_top_logprobs is None else [],
+        )
 
     def _extend(self, out: ReqTokenOut) -> DecodeState:
         state = self.states.setdefault(out.rid, DecodeState())
@@ -115,6 +141,7 @@ class IncrementalDetokenizer:
     def _emit(
         self, out: ReqTokenOut, state: DecodeState, new_text: str
     ) -> tuple[ReqStrOut, StopReq | None]:
+        """The text to send now; a StopReq when a stop string matched in it."""
         reason = out.finished_reason
         if reason is None and (not new_text or new_text.endswith(REPLACEMENT_CHAR)):
             new_text = ""  # half a character: wait for the rest
@@ -125,17 +152,21 @@ class IncrementalDetokenizer:
         text, state.held = state.held + new_text, ""
         stop_req = None
         if out.stop:
-            cut, matched = _find_stop(text, out.stop)
-            if matched is not None:
+            if state.stop_matcher is None:
+                state.stop_matcher = StopMatcher(out.stop)
+            if state.stop_matcher.feed(new_text):
+                cut, matched = _find_stop(text, out.stop)
                 text = text[:cut]
                 if reason is None:
-                    self.stopped.add(out.rid)
+                    self.stopped[out.rid] = Stopped(matched, out.completion_tokens)
                     stop_req = StopReq(out.rid, matched)
-                reason = FinishReason("stop", matched)
+                else:
+                    reason = FinishReason("stop", matched)
+                del self.states[out.rid]
             elif reason is None:
-                keep = _stop_prefix_len(text, out.stop)
+                keep = state.stop_matcher.pending
                 text, state.held = text[: len(text) - keep], text[len(text) - keep :]
-        if reason is not None:
+        if reason is not None and out.rid in self.states:
             del self.states[out.rid]
         str_out = ReqStrOut(
             rid=out.rid,
@@ -151,25 +182,10 @@ class IncrementalDetokenizer:
         return str_out, stop_req
 
 
-def _find_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
-    """The earliest stop string in text: (where it starts, which), or (-1, None)."""
-    best, matched = -1, None
-    for stop in stops:
-        pos = text.find(stop)
-        if pos != -1 and (best == -1 or pos < best):
-            best, matched = pos, stop
-    return best, matched
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that a stop string begins with: held back."""
-    longest = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str]:
+    """The earliest stop string in text (there is one): where it starts, and which."""
+    found = [(pos, stop) for stop in stops if (pos := text.find(stop)) != -1]
+    return min(found, key=lambda match: match[0])
 
 
 def _text_end(out: ReqTokenOut, state: DecodeState) -> int:

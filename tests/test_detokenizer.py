@@ -209,14 +209,19 @@ def test_counters_and_reason_pass_through(tokenizer):
     assert len(detok) == 0
 
 
-def test_stop_string_ends_the_request_and_is_trimmed(tokenizer):
+def test_stop_string_is_trimmed_and_the_scheduler_ends_the_request(tokenizer):
     ids = tokenizer.encode("Answer: 42.\n\nNext line", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
-    # All at once: the text stops where the stop string starts.
+    # All at once: the text stops where the stop string starts, and the scheduler is asked to
+    # end the request; until it has, the request is not finished.
     (whole,), stops = detok.step([token_out("r", ids, stop=("\n\n",))])
-    assert whole.text == "Answer: 42."
-    assert whole.finished_reason == FinishReason("stop", "\n\n")
+    assert whole.text == "Answer: 42." and whole.new_token_ids == ids
+    assert whole.finished_reason is None
     assert stops == [StopReq("r", "\n\n")]
+    # Its final ends it as the stop string did, whatever ended it at the scheduler.
+    (final,), stops = detok.step([token_out("r", [5, 6], LENGTH, stop=("\n\n",))])
+    assert final == ReqStrOut("r", "", [], FinishReason("stop", "\n\n"), 3, len(ids), 0)
+    assert not stops and len(detok) == 0 and not detok.stopped
 
 
 @pytest.mark.parametrize("stop_str", ["\n\n", "42.\n", "Next", ": 4"])
@@ -224,20 +229,30 @@ def test_stop_string_split_across_streamed_chunks(tokenizer, stop_str):
     text = "Answer: 42.\n\nNext line and more"
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
-    sent, stops, reason = [], [], None
+    sent, stops = [], []
     for i in ids:  # one token a step: every stop string here spans several steps
-        (out,), new_stops = detok.step([token_out("s", [i], stop=(stop_str, "never"))])
+        (out,), stops = detok.step([token_out("s", [i], stop=(stop_str, "never"))])
+        assert out.finished_reason is None
         sent.append(out.text)
-        stops += new_stops
-        if out.finished_reason is not None:
-            reason = out.finished_reason
+        if stops:
             break
     assert "".join(sent) == text[: text.index(stop_str)]  # nothing of the stop string leaked
-    assert reason == FinishReason("stop", stop_str)
     assert stops == [StopReq("s", stop_str)]
-    # What the scheduler still sends for it, up to its own final, is dropped.
-    late, _ = detok.step([token_out("s", [ids[-1]]), token_out("s", [], LENGTH)])
-    assert late == [] and len(detok) == 0 and not detok.stopped
+    # What the scheduler still sends for it before its final is dropped.
+    late, _ = detok.step([token_out("s", [ids[-1]])])
+    assert late == []
+    (final,), _ = detok.step([token_out("s", [], FinishReason("stop", stop_str))])
+    assert final.finished_reason == FinishReason("stop", stop_str) and final.text == ""
+    assert len(detok) == 0 and not detok.stopped
+
+
+def test_stop_string_in_the_final_output_ends_it_at_once(tokenizer):
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    (out,), stops = IncrementalDetokenizer(tokenizer).step(
+        [token_out("r", ids, LENGTH, stop=(" two",))]
+    )
+    assert out.text == "one" and out.finished_reason == FinishReason("stop", " two")
+    assert stops == []  # the scheduler has ended it already
 
 
 def test_held_back_text_goes_out_when_no_stop_follows(tokenizer):
