@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import typing
 
 import msgspec
 
@@ -28,6 +29,10 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     torch_threads: int | None = None  # model process threads; default: all cores
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
+    max_reply_backlog_bytes: int = 64 * 1024 * 1024  # unread replies held for one slow client
+    api_key: str | None = None
+    shutdown_timeout: float = 0.0  # on SIGTERM, seconds in-flight requests may take to finish
+    log_requests: bool = False
     check_invariants: bool = False  # verify the scheduler's invariants after every step (tests)
     log_level: str = "info"
 
@@ -41,6 +46,13 @@ _HELP = {
     "chunked_prefill_size": "prompt tokens prefilled in one step, over all requests; a longer "
     "prompt is prefilled in chunks (-1: no chunking)",
     "schedule_policy": "fcfs | lpm (longest prefix match first)",
+    "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
+    "max_reply_backlog_bytes": "replies held for a client that reads slower than it asks; past "
+    "it, that client's requests are aborted with an `overloaded` error",
+    "api_key": "require this key in the `api_key` field of every request but `health`",
+    "shutdown_timeout": "on SIGTERM, seconds that requests in flight may take to finish before "
+    "they are aborted (0: abort at once)",
+    "log_requests": "log one line per finished, aborted or failed request",
 }
 
 
@@ -52,8 +64,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", help=_HELP.get(field.name))
             continue
-        # Every optional field is an int whose None means "derive it".
-        kind = int if default is None else type(default)
+        # An optional field's None means "derive it" (or "off"); its flag takes the other type.
+        kind = type(default) if default is not None else typing.get_args(field.type)[0]
         parser.add_argument(flag, type=kind, default=default, help=_HELP.get(field.name))
 
 

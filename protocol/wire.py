@@ -6,6 +6,8 @@ an out-of-range value fails in the decoder with a message that names the field.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 # Bounds on what a client controls. Integers that become int64 tensor entries must fit one (a
@@ -18,6 +20,17 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_RID_CHARS = 256
+MAX_API_KEY_CHARS = 256
+# Lists are bounded in their types, so that the decoder refuses one by its length alone, before
+# it builds millions of objects.
+MAX_INPUT_IDS = 1 << 20  # past any context length served here
+MAX_MESSAGES = 4096
+
+StopStrings = Annotated[
+    list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+    msgspec.Meta(max_length=MAX_STOP_STRINGS),
+]
+StopTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -29,8 +42,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
+    stop: StopStrings = []
+    stop_token_ids: StopTokenIds = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
@@ -53,19 +66,6 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             (
                 self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
                 "seed must fit in 64 bits: [-2**63, 2**63 - 1]",
-            ),
-            (
-                len(self.stop) <= MAX_STOP_STRINGS,
-                f"stop holds more than {MAX_STOP_STRINGS} strings",
-            ),
-            (all(s for s in self.stop), "stop strings must not be empty"),
-            (
-                all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
-                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters",
-            ),
-            (
-                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
-                f"stop_token_ids holds more than {MAX_STOP_TOKEN_IDS} ids",
             ),
         ]
         for ok, message in checks:
@@ -90,15 +90,18 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     content: str
 
 
-class _Request(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
-    pass
+class _Request(
+    msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True, kw_only=True
+):
+    # Checked on every request when the server runs with --api-key; ignored otherwise.
+    api_key: Annotated[str, msgspec.Meta(max_length=MAX_API_KEY_CHARS)] | None = None
 
 
 class GenerateRequest(_Request, tag="generate"):
     rid: str | None = None
     text: str | None = None
-    input_ids: list[int] | None = None
-    messages: list[ChatMessage] | None = None
+    input_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_INPUT_IDS)] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False
     return_logprob: bool = False
@@ -186,7 +189,7 @@ class OutputReply(_Reply, tag="output"):
 
 
 class ErrorReply(_Reply, tag="error"):
-    code: str  # invalid_request | too_long | not_found | overloaded | internal
+    code: str  # invalid_request | unauthorized | too_long | not_found | overloaded | internal
     message: str
     rid: str | None = None
 

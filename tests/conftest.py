@@ -51,3 +51,42 @@ def tiny_model(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return build
+
+
+@pytest.fixture(scope="session")
+def tiny_served_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama that speaks the default model's tokenizer (its files and vocabulary
+    size, so real text tokenizes): for server tests where the answers are not the point, and
+    throughput is. Greedy, its tokens are the argmax of random logits: a fixed function of the
+    prompt that any batching must keep."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from radixserve.model_worker.model_source import default_model_dir
+
+    source = default_model_dir()
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=49152,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    path = tmp_path_factory.mktemp("tiny-served")
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    return path

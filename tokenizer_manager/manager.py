@@ -1,17 +1,19 @@
-"""The client endpoint: a ZMQ ROUTER speaking the wire format (docs: WIRE.md), on asyncio.
+"""The client endpoint: a ZMQ ROUTER speaking the wire format (docs/WIRE.md), on asyncio.
 
-Two loops: `client_loop` validates and tokenizes requests and forwards them to the scheduler;
-`output_loop` turns what the detokenizer and scheduler send back into replies. Each reply goes to
-the ROUTER envelope of the client that asked, and only to it.
+Two loops: `client_loop` decodes requests (request_decoder.py), tokenizes them and forwards them
+to the scheduler; `output_loop` turns what the detokenizer and scheduler send back into replies.
+Each reply goes to the client that asked, and only to it; a client that is gone or reads too
+slowly has its requests aborted, so their KV is freed at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -26,7 +28,6 @@ from radixserve.protocol.internal import (
     FlushCacheReq,
     HealthOut,
     HealthReq,
-    Logprob,
     ReqError,
     ReqStrOut,
     ServerInfoOut,
@@ -36,44 +37,29 @@ from radixserve.protocol.internal import (
 )
 from radixserve.protocol.wire import (
     INT64_MIN,
-    MAX_RID_CHARS,
     AbortRequest,
-    ClientRequest,
     ErrorReply,
     FlushCacheReply,
     FlushCacheRequest,
     GenerateRequest,
     HealthReply,
     HealthRequest,
-    MetaInfo,
     ModelInfoReply,
     ModelInfoRequest,
-    OutputReply,
     ServerInfoRequest,
 )
 from radixserve.server_args import ServerArgs
-from radixserve.tokenizer_manager.tokenization import Tokenization
+from radixserve.tokenizer_manager import request_log
+from radixserve.tokenizer_manager.inflight import Envelope, InFlight
+from radixserve.tokenizer_manager.outbox import Delivery, Outbox
+from radixserve.tokenizer_manager.request_decoder import ClientError, RequestDecoder
+from radixserve.tokenizer_manager.tokenization import PromptTooLong, Tokenization
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
 
-Envelope = list[bytes]
-
-
-@dataclass(slots=True)
-class ReqState:
-    """One completion in flight. A request with n > 1 has n of them, each its own scheduler
-    request (rid "client-rid/index"), all answering under the client's rid."""
-
-    envelope: Envelope
-    stream: bool
-    client_rid: str
-    index: int | None  # which of the n completions; None when n == 1
-    created: float = field(default_factory=time.monotonic)
-    # Non-streaming: the pieces until finished.
-    text: list[str] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[Logprob] = field(default_factory=list)
-    top_logprobs: list[list[Logprob]] = field(default_factory=list)
+FLUSH_INTERVAL_S = 0.01  # how often replies waiting for a slow client are tried again
+ABORT_WAIT_S = 10.0  # at shutdown, how long the scheduler may take to end aborted requests
+FINAL_FLUSH_S = 2.0  # at shutdown, how long the last replies may take to leave
 
 
 class TokenizerManager:
@@ -81,62 +67,63 @@ class TokenizerManager:
         self.args = args
         self.model_path = model_path
         self.model_config = ModelConfig.from_dir(model_path)
+        self.context_len = args.context_length or self.model_config.max_position_embeddings
         # As the scheduler resolves it, for model_info.
         self.dtype = resolve_dtype(
             args.dtype, resolve_device(args.device), checkpoint_dtype=self.model_config.dtype
         )
-        self.tokenization = Tokenization(model_path, self.model_config.vocab_size)
-        ctx = zmq.asyncio.Context()
-        self.router = ctx.socket(zmq.ROUTER)
+        self.tokenization = Tokenization(model_path, self.model_config.vocab_size, self.context_len)
+        self.ctx = zmq.asyncio.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client fails
+        self.router.setsockopt(zmq.MAXMSGSIZE, args.max_request_bytes)  # never held whole
         self.router.bind(f"tcp://{args.host}:{args.port}")
-        self.send_to_scheduler = transport.connect_push(ctx, ipc_dir, transport.SCHEDULER_INPUT)
-        self.recv_from_backend = transport.bind_pull(
-            ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
+        self.outbox = Outbox(self.router, args.max_reply_backlog_bytes)
+        self.send_to_scheduler = transport.connect_push(
+            self.ctx, ipc_dir, transport.SCHEDULER_INPUT
         )
-        self.client_decoder = msgspec.msgpack.Decoder(ClientRequest)
+        self.recv_from_backend = transport.bind_pull(
+            self.ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
+        )
+        self.decoder = RequestDecoder(args.api_key)
         self.encoder = msgspec.msgpack.Encoder()
         self.codec = transport.Codec(TokenizerManagerInput)
-        self.rid_states: dict[str, ReqState] = {}  # by scheduler rid
-        self.completions: dict[str, list[str]] = {}  # client rid -> its scheduler rids in flight
+        self.inflight = InFlight()
         self.pending_queries: dict[int, Envelope] = {}
         self.query_ids = itertools.count()
+        self.accepting = True
 
     # ---- client -> server ----------------------------------------------------------------------
 
     async def client_loop(self) -> None:
         while True:
             frames = await self.router.recv_multipart()
-            envelope, payload = frames[:-1], frames[-1]
+            # A DEALER's request is [id, payload], a REQ's [id, b"", payload]: anything else
+            # is not ours, and must not be echoed back at the size it came in.
+            envelope = frames[:-1]
+            if len(envelope) > 2 or envelope[1:] not in ([], [b""]):
+                envelope = frames[:1]
+                await self.reply_error(envelope, ClientError("invalid_request", _ONE_FRAME))
+                continue
             try:
-                await self.handle_request(envelope, self.decode_request(payload))
-            except _ClientError as e:
-                await self.reply(envelope, ErrorReply(e.code, e.message, rid=e.rid))
+                await self.handle_request(envelope, self.decoder.decode(frames[-1]))
+            except ClientError as e:
+                await self.reply_error(envelope, e)
             except Exception as e:  # a bug must cost this client its request, not the server
                 logger.exception("request failed")
-                await self.reply(envelope, ErrorReply("internal", f"{type(e).__name__}: {e}"))
+                error = ClientError("internal", f"{type(e).__name__}: {e}")
+                await self.reply_error(envelope, error)
 
-    def decode_request(self, payload: bytes) -> msgspec.Struct:
-        if len(payload) > self.args.max_request_bytes:
-            raise _ClientError(
-                "invalid_request",
-                f"request of {len(payload)} bytes is over the limit of "
-                f"{self.args.max_request_bytes} (--max-request-bytes)",
-            )
-        try:
-            return self.client_decoder.decode(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise _ClientError("invalid_request", str(e), _rid_of(payload)) from None
-
-    async def handle_request(self, envelope: Envelope, req: msgspec.Struct) -> None:
+    async def handle_request(self, envelope: Envelope, req: Any) -> None:
         match req:
             case GenerateRequest():
                 await self.handle_generate(envelope, req)
             case AbortRequest(rid=rid):
-                if rid not in self.completions:
-                    raise _ClientError("not_found", f"no request {rid!r} is in flight", rid)
-                for sub_rid in self.completions[rid]:
-                    await self.send_to_scheduler.send(self.codec.encode(AbortReq(sub_rid)))
+                request = self.inflight.find(envelope[0], rid)
+                if request is None:
+                    raise ClientError("not_found", f"no request {rid!r} is in flight", rid)
+                await self.abort(self.inflight.live_ids(request))
             case ModelInfoRequest():
                 await self.reply(envelope, self.model_info())
             case HealthRequest():
@@ -148,29 +135,31 @@ class TokenizerManager:
 
     async def handle_generate(self, envelope: Envelope, req: GenerateRequest) -> None:
         rid = req.rid or uuid.uuid4().hex
+        if not self.accepting:
+            raise ClientError("overloaded", "the server is shutting down", rid)
         n = req.sampling_params.n
-        sub_rids = [rid] if n == 1 else [f"{rid}/{i}" for i in range(n)]
-        if rid in self.completions or any(sub in self.rid_states for sub in sub_rids):
-            raise _ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
+        request = self.inflight.open(envelope, rid, req.stream, n)
+        if request is None:
+            raise ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
         try:
-            input_ids = self.tokenization.input_ids(req)
-        except ValueError as e:
-            raise _ClientError("invalid_request", str(e), rid) from None
-        self.completions[rid] = list(sub_rids)
-        for i, sub_rid in enumerate(sub_rids):
+            input_ids = await self.tokenization.input_ids_async(req)
+        except Exception as e:
+            self.inflight.answer(request)  # it never reached the scheduler: its rid is free
+            if not isinstance(e, ValueError):
+                raise
+            code = "too_long" if isinstance(e, PromptTooLong) else "invalid_request"
+            raise ClientError(code, str(e), rid) from None
+        for cid, index in self.inflight.start(request):
+            if request.answered:  # its client went away meanwhile: never started
+                self.inflight.end(cid)
+                continue
             params = req.sampling_params
             if n > 1:
                 # Each completion samples on its own; seeded ones stay reproducible (seed + i).
-                seed = None if params.seed is None else _wrap_int64(params.seed + i)
+                seed = None if params.seed is None else _wrap_int64(params.seed + (index or 0))
                 params = msgspec.structs.replace(params, n=1, seed=seed)
-            self.rid_states[sub_rid] = ReqState(envelope, req.stream, rid, i if n > 1 else None)
             msg = TokenizedGenerateReq(
-                sub_rid,
-                input_ids,
-                params,
-                req.stream,
-                req.return_logprob,
-                req.top_logprobs_num,
+                cid, input_ids, params, req.stream, req.return_logprob, req.top_logprobs_num
             )
             await self.send_to_scheduler.send(self.codec.encode(msg))
 
@@ -184,10 +173,14 @@ class TokenizerManager:
         return ModelInfoReply(
             model_path=self.model_path,
             architecture=cfg.architecture,
-            context_length=self.args.context_length or cfg.max_position_embeddings,
+            context_length=self.context_len,
             vocab_size=cfg.vocab_size,
             dtype=str(self.dtype).removeprefix("torch."),
         )
+
+    async def abort(self, ids: list[str]) -> None:
+        for cid in ids:
+            await self.send_to_scheduler.send(self.codec.encode(AbortReq(cid)))
 
     # ---- server -> client ----------------------------------------------------------------------
 
@@ -198,8 +191,8 @@ class TokenizerManager:
                 case BatchStrOut(outs=outs):
                     for out in outs:
                         await self.handle_output(out)
-                case ReqError(rid=rid, code=code, message=message):
-                    await self.handle_error(rid, code, message)
+                case ReqError(rid=cid, code=code, message=message):
+                    await self.handle_refusal(cid, code, message)
                 case ServerInfoOut(query_id=qid, info=info):
                     await self.answer_query(qid, info)
                 case FlushCacheOut(query_id=qid, success=ok, message=message):
@@ -208,90 +201,117 @@ class TokenizerManager:
                     await self.answer_query(qid, HealthReply())
 
     async def handle_output(self, out: ReqStrOut) -> None:
-        state = self.rid_states.get(out.rid)
-        if state is None:
+        completion = self.inflight.completions.get(out.rid)
+        if completion is None:
             return
+        request = completion.request
         finished = out.finished_reason is not None
         if finished:
-            self._forget(out.rid, state)
-        if state.stream:
-            text, ids = out.text, out.new_token_ids
-            token_logprobs, top_logprobs = out.output_token_logprobs, out.output_top_logprobs
-        else:
-            state.text.append(out.text)
-            state.output_ids += out.new_token_ids
-            state.token_logprobs += out.output_token_logprobs or []
-            state.top_logprobs += out.output_top_logprobs or []
-            if not finished:
-                return
-            text, ids = "".join(state.text), state.output_ids
-            token_logprobs = state.token_logprobs if out.output_token_logprobs is not None else None
-            top_logprobs = state.top_logprobs if out.output_top_logprobs is not None else None
-        meta = MetaInfo(
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.completion_tokens,
-            cached_tokens=out.cached_tokens,
-            finish_reason=out.finished_reason,
-            e2e_latency=time.monotonic() - state.created,
-            output_token_logprobs=token_logprobs,
-            output_top_logprobs=top_logprobs,
-        )
-        reply = OutputReply(state.client_rid, text, ids, finished, meta, index=state.index)
-        await self.reply(state.envelope, reply)
-
-    async def handle_error(self, sub_rid: str, code: str, message: str) -> None:
-        """The scheduler refused a request: one error for the client's whole request, and its
-        other completions (n > 1) are aborted."""
-        state = self.rid_states.get(sub_rid)
-        if state is None:
+            self.inflight.end(out.rid)
+            if self.args.log_requests:
+                request_log.finished(request, completion.index, out)
+        if request.answered:  # an error ended it, or its client is gone
             return
-        siblings = list(self.completions[state.client_rid])
-        for other in siblings:
-            self._forget(other, self.rid_states[other])
-            if other != sub_rid:
-                await self.send_to_scheduler.send(self.codec.encode(AbortReq(other)))
-        await self.reply(state.envelope, ErrorReply(code, message, rid=state.client_rid))
+        reply = completion.reply(out)
+        if reply is not None:
+            await self.reply(request.envelope, reply)
+        if finished and not request.answered:
+            request.open -= 1
+            if request.open == 0:
+                self.inflight.answer(request)
 
-    def _forget(self, sub_rid: str, state: ReqState) -> None:
-        del self.rid_states[sub_rid]
-        remaining = self.completions[state.client_rid]
-        remaining.remove(sub_rid)
-        if not remaining:
-            del self.completions[state.client_rid]
+    async def handle_refusal(self, cid: str, code: str, message: str) -> None:
+        """The scheduler refused a completion: one error for the client's whole request, and its
+        other completions (n > 1) are aborted."""
+        completion = self.inflight.end(cid)
+        if completion is None or completion.request.answered:
+            return
+        request = completion.request
+        self.inflight.answer(request)
+        await self.abort(self.inflight.live_ids(request))
+        await self.reply_error(request.envelope, ClientError(code, message, request.rid))
+
+    async def drop_client(self, peer: bytes, too_slow: bool = False) -> None:
+        """Abort every request of a client that is gone, or that reads too slowly: then each of
+        them gets one `overloaded` error in place of the replies it did not read."""
+        self.outbox.drop(peer)
+        requests = self.inflight.of_peer(peer)
+        if too_slow:
+            logger.warning(
+                "A client reads too slowly: over %d bytes of replies wait (--max-reply-backlog-"
+                "bytes). Aborting its %d requests.",
+                self.args.max_reply_backlog_bytes,
+                len(requests),
+            )
+        elif requests:
+            logger.info("A client went away. Aborting its %d requests.", len(requests))
+        for request in requests:
+            self.inflight.answer(request)
+            await self.abort(self.inflight.live_ids(request))
+            if too_slow:
+                error = ErrorReply("overloaded", _TOO_SLOW, rid=request.rid)
+                self.outbox.send(request.envelope, self.encoder.encode(error))
+
+    async def flush_loop(self) -> None:
+        """Retry the replies that wait for room in a slow client's queue."""
+        while True:
+            await self.outbox.waiting.wait()
+            for peer in self.outbox.flush():
+                await self.drop_client(peer)
+            await asyncio.sleep(FLUSH_INTERVAL_S)
 
     async def answer_query(self, qid: int, reply: msgspec.Struct) -> None:
         envelope = self.pending_queries.pop(qid, None)
         if envelope is not None:
             await self.reply(envelope, reply)
 
+    async def reply_error(self, envelope: Envelope, error: ClientError) -> None:
+        if self.args.log_requests:
+            request_log.failed(error.rid, error.code, error.message)
+        await self.reply(envelope, ErrorReply(error.code, error.message, rid=error.rid))
+
     async def reply(self, envelope: Envelope, reply: msgspec.Struct) -> None:
-        await self.router.send_multipart([*envelope, self.encoder.encode(reply)])
+        match self.outbox.send(envelope, self.encoder.encode(reply)):
+            case Delivery.GONE:
+                await self.drop_client(envelope[0])
+            case Delivery.OVERFLOW:
+                await self.drop_client(envelope[0], too_slow=True)
+
+    # ---- shutdown ------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """SIGTERM: refuse new requests, give those in flight --shutdown-timeout seconds to
+        finish, abort the rest, and deliver every last reply before the process exits."""
+        self.accepting = False
+        logger.info("Shutting down. %d requests in flight.", len(self.inflight.completions))
+        await self._wait_for_no_completions(self.args.shutdown_timeout, abort=False)
+        await self._wait_for_no_completions(ABORT_WAIT_S, abort=True)
+        deadline = time.monotonic() + FINAL_FLUSH_S
+        while self.outbox.backlogs and time.monotonic() < deadline:
+            self.outbox.flush()
+            await asyncio.sleep(FLUSH_INTERVAL_S)
+
+    def close(self) -> None:
+        self.tokenization.close()
+        # What ZMQ still queues for the clients gets its last chance to leave.
+        self.ctx.destroy(linger=int(FINAL_FLUSH_S * 1000))
+
+    async def _wait_for_no_completions(self, timeout: float, abort: bool) -> None:
+        aborted: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while self.inflight.completions and time.monotonic() < deadline:
+            if abort:  # those started meanwhile too: a prompt may have been in the tokenizer
+                late = self.inflight.completions.keys() - aborted
+                await self.abort(list(late))
+                aborted |= late
+            await asyncio.sleep(0.02)
 
 
-class _RidOnly(msgspec.Struct):
-    rid: str | None = None
-
-
-_rid_decoder = msgspec.msgpack.Decoder(_RidOnly)
-
-
-def _rid_of(payload: bytes) -> str | None:
-    """The rid of a request that failed validation, so that its error can name it (WIRE.md: the
-    rid goes back whenever it is known); None when even that cannot be read."""
-    try:
-        rid = _rid_decoder.decode(payload).rid
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    return rid if rid is not None and len(rid) <= MAX_RID_CHARS else None
+_ONE_FRAME = "a request is one frame (after a REQ socket's empty delimiter)"
+_TOO_SLOW = "replies to this client went unread past --max-reply-backlog-bytes: request aborted"
 
 
 def _wrap_int64(value: int) -> int:
     """value mod 2**64 as a signed 64-bit integer: completion i of a seeded request draws from
     seed + i, which must stay a valid seed at the top of the range."""
     return (value - INT64_MIN) % 2**64 + INT64_MIN
-
-
-class _ClientError(Exception):
-    def __init__(self, code: str, message: str, rid: str | None = None):
-        super().__init__(message)
-        self.code, self.message, self.rid = code, message, rid

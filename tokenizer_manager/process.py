@@ -1,8 +1,9 @@
-"""The tokenizer manager process: asyncio on uvloop, two loops over ZMQ."""
+"""The tokenizer manager process: asyncio on uvloop, its loops over ZMQ, SIGTERM as a drain."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -15,16 +16,32 @@ from radixserve.tokenizer_manager.manager import TokenizerManager
 
 
 async def _serve(manager: TokenizerManager, ready_writer: Connection) -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    loops = [
+        asyncio.create_task(manager.client_loop()),
+        asyncio.create_task(manager.output_loop()),
+        asyncio.create_task(manager.flush_loop()),
+    ]
     ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("tokenizer_manager")))
-    # Either loop ending means a bug; let it take the process, and so the server, down.
-    tasks = [asyncio.create_task(manager.client_loop()), asyncio.create_task(manager.output_loop())]
-    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    for task in done:
-        task.result()
+    stopping = asyncio.create_task(stop.wait())
+    # A loop ending means a bug; let it take the process, and so the server, down.
+    done, _ = await asyncio.wait([*loops, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if stopping in done:
+        await manager.shutdown()  # the loops keep running meanwhile: replies must still go out
+    for task in loops:
+        if task.done():
+            task.result()
+        task.cancel()
+    await asyncio.gather(*loops, return_exceptions=True)
+    manager.close()
 
 
 def run_tokenizer_manager_process(
-    args: ServerArgs, model_path: str, ipc_dir: str, ready_writer: Connection
+    args: ServerArgs,
+    model_path: str,
+    ipc_dir: str,
+    ready_writer: Connection,
 ) -> None:
     configure_process("tokenizer_manager", args)
     manager = TokenizerManager(args, model_path, ipc_dir)

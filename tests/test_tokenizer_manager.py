@@ -1,0 +1,269 @@
+"""The tokenizer manager alone, over its real sockets: the test plays the scheduler and the
+detokenizer by the internal protocol, so that it can order their messages as a race would."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from radixserve.client.local_server import free_port
+from radixserve.protocol import transport
+from radixserve.protocol.internal import (
+    AbortReq,
+    BatchStrOut,
+    ReqStrOut,
+    SchedulerInput,
+    TokenizedGenerateReq,
+)
+from radixserve.protocol.wire import FinishReason
+from radixserve.server_args import ServerArgs
+from radixserve.tokenizer_manager.manager import TokenizerManager
+
+STOP = FinishReason("stop", "S")
+LENGTH = FinishReason("length")
+
+
+@dataclass
+class Harness:
+    manager: TokenizerManager
+    address: str
+    ctx: zmq.asyncio.Context
+    scheduler: zmq.asyncio.Socket  # what the manager sends to the scheduler arrives here
+    backend: zmq.asyncio.Socket  # what the test sends here reaches the manager as the detokenizer's
+
+    def client(self, **options: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        for name, value in options.items():
+            sock.setsockopt(getattr(zmq, name), value)
+        sock.connect(self.address)
+        return sock
+
+    async def to_scheduler(self, timeout: float = 10) -> Any:
+        data = await asyncio.wait_for(self.scheduler.recv(), timeout)
+        return msgspec.msgpack.decode(data, type=SchedulerInput)
+
+    async def output(
+        self, cid: str, ids: list[int], reason: FinishReason | None = None, text: str = "t"
+    ) -> None:
+        out = ReqStrOut(cid, text, ids, reason, 3, len(ids), 0)
+        await self.backend.send(msgspec.msgpack.encode(BatchStrOut([out])))
+
+
+@contextlib.asynccontextmanager
+async def tokenizer_manager(model_dir: Path, **overrides: Any) -> AsyncIterator[Harness]:
+    ipc_dir = tempfile.mkdtemp(prefix="rs-tm-")
+    args = ServerArgs(model=str(model_dir), port=free_port(), **overrides)
+    manager = TokenizerManager(args, str(model_dir), ipc_dir)
+    ctx = zmq.asyncio.Context()
+    harness = Harness(
+        manager,
+        f"tcp://127.0.0.1:{args.port}",
+        ctx,
+        transport.bind_pull(ctx, ipc_dir, transport.SCHEDULER_INPUT),
+        transport.connect_push(ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT),
+    )
+    loops = [
+        asyncio.create_task(loop())
+        for loop in (manager.client_loop, manager.output_loop, manager.flush_loop)
+    ]
+    try:
+        yield harness
+    finally:
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        manager.close()
+        ctx.destroy(linger=0)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+async def send(sock: zmq.asyncio.Socket, **request: Any) -> None:
+    await sock.send(msgspec.msgpack.encode(request))
+
+
+async def receive(sock: zmq.asyncio.Socket, timeout: float = 10) -> dict:
+    return msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), timeout))
+
+
+def generate(rid: str, stream: bool = True, **params: Any) -> dict:
+    return {
+        "type": "generate",
+        "rid": rid,
+        "text": "hi",
+        "stream": stream,
+        "sampling_params": params,
+    }
+
+
+def test_a_reused_rid_never_reaches_the_old_completion(tiny_served_model):
+    """The race of issue 13: a request ends (on a stop string) while the scheduler still runs it
+    for a moment, and its client at once sends a new request under the same rid. The scheduler
+    must see two different ids, so that the old one's stop, late tokens and an abort of the new
+    one each reach only their own completion."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            client = h.client()
+            await send(client, **generate("x", stop=["S"], max_new_tokens=50))
+            first = await h.to_scheduler()
+            await h.output(first.rid, [5, 6], STOP)
+            assert (await receive(client))["meta_info"]["finish_reason"]["type"] == "stop"
+
+            await send(client, **generate("x", max_new_tokens=4))
+            second = await h.to_scheduler()
+            assert isinstance(second, TokenizedGenerateReq)
+            assert second.rid != first.rid  # the scheduler can tell them apart
+
+            await h.output(first.rid, [7, 8])  # the old completion's late tokens
+            await h.output(second.rid, [9])
+            reply = await receive(client)
+            assert reply["output_ids"] == [9] and reply["rid"] == "x"
+
+            await send(client, type="abort", rid="x")
+            assert await h.to_scheduler() == AbortReq(second.rid)
+
+    asyncio.run(scenario())
+
+
+def test_clients_have_their_own_rids(tiny_served_model):
+    """Two clients may use the same rid; one's abort never touches the other's request."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            alice, bob = h.client(), h.client()
+            await send(alice, **generate("same"))
+            alices = await h.to_scheduler()
+            await send(bob, **generate("same"))
+            bobs = await h.to_scheduler()
+            assert isinstance(bobs, TokenizedGenerateReq) and bobs.rid != alices.rid
+            await send(bob, type="abort", rid="same")
+            assert await h.to_scheduler() == AbortReq(bobs.rid)
+            # Within one client a rid is still unique while in flight.
+            await send(alice, **generate("same"))
+            reply = await receive(alice)
+            assert reply["type"] == "error" and "already in flight" in reply["message"]
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_went_away_has_its_requests_aborted(tiny_served_model):
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            client = h.client()
+            await send(client, **generate("gone"))
+            started = await h.to_scheduler()
+            await h.output(started.rid, [5])
+            assert (await receive(client))["output_ids"] == [5]
+            client.close()
+            # Its next outputs find it gone (EHOSTUNREACH): the scheduler is told to stop.
+            for _ in range(100):
+                await h.output(started.rid, [6])
+                with contextlib.suppress(asyncio.TimeoutError):
+                    assert await h.to_scheduler(timeout=0.1) == AbortReq(started.rid)
+                    return
+            raise AssertionError("the request of a gone client was never aborted")
+
+    asyncio.run(scenario())
+
+
+def test_a_long_prompt_in_the_tokenizer_stalls_no_stream(tiny_served_model):
+    """While a long prompt is tokenized (seconds), a running stream's replies keep going out."""
+
+    async def scenario() -> None:
+        # A context this long lets a 2M-character prompt reach the tokenizer.
+        async with tokenizer_manager(tiny_served_model, context_length=1_000_000) as h:
+            streaming, other = h.client(), h.client()
+            await send(streaming, **generate("streams"))
+            started = await h.to_scheduler()
+            await send(other, type="generate", rid="long", text="word " * 400_000)
+            await asyncio.sleep(0.3)  # the long prompt is in the tokenizer now
+            for i in range(5):
+                await h.output(started.rid, [i])
+                assert (await receive(streaming))["output_ids"] == [i]
+            # Those replies went out before the long prompt's tokens reached the scheduler.
+            assert not await h.scheduler.poll(0)
+            assert isinstance(await h.to_scheduler(timeout=120), TokenizedGenerateReq)
+
+    asyncio.run(scenario())
+
+
+SMALL_BUFFERS = {"RCVHWM": 1, "RCVBUF": 1024}
+LONG_TEXT = "t" * 2000  # 6,000 of them are over what the kernel's socket buffers hold
+
+
+async def flood(h: Harness, cid: str, steps: int) -> None:
+    for i in range(steps):
+        await h.output(cid, [i % 100], LENGTH if i == steps - 1 else None, LONG_TEXT)
+
+
+def test_a_slow_reader_gets_every_reply_in_the_end(tiny_served_model):
+    """Far more replies than its queue (SNDHWM) and the socket buffers hold: they wait, and the
+    client that reads at last gets all of them, the final one included."""
+    steps = 6000
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            client = h.client(**SMALL_BUFFERS)
+            await send(client, **generate("slow", max_new_tokens=steps))
+            started = await h.to_scheduler()
+            await flood(h, started.rid, steps)
+            await asyncio.sleep(0.5)  # all of it reached the manager: most of it must wait
+            assert h.manager.outbox.backlogs, "the test did not get past the queue"
+            replies = [await receive(client) for _ in range(steps)]
+            assert [r["output_ids"] for r in replies] == [[i % 100] for i in range(steps)]
+            assert replies[-1]["finished"]
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_too_slow_for_the_backlog_bound_is_aborted(tiny_served_model):
+    steps = 6000
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, max_reply_backlog_bytes=20_000) as h:
+            client = h.client(**SMALL_BUFFERS)
+            await send(client, **generate("slow", max_new_tokens=steps))
+            started = await h.to_scheduler()
+            await flood(h, started.rid, steps)
+            assert await h.to_scheduler() == AbortReq(started.rid)  # its KV is freed at once
+            replies = []
+            while not replies or replies[-1]["type"] != "error":
+                replies.append(await receive(client))
+            assert replies[-1]["code"] == "overloaded" and replies[-1]["rid"] == "slow"
+            assert all(r["type"] == "output" and not r["finished"] for r in replies[:-1])
+            assert len(replies) < steps
+            assert not h.manager.outbox.backlogs and not h.manager.inflight.by_peer
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"part", b"\x81\xa4type\xa6health"],
+        [b"", b"delimiter", b"\x81\xa4type\xa6health"],
+    ],
+)
+def test_multipart_requests_are_refused_without_echoing_them(tiny_served_model, frames):
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            client = h.client()
+            await client.send_multipart(frames)
+            reply = await asyncio.wait_for(client.recv_multipart(), 10)
+            assert len(reply) == 1  # only the routing id was kept as the envelope
+            error = msgspec.msgpack.decode(reply[0])
+            assert error["type"] == "error" and "one frame" in error["message"]
+
+    asyncio.run(scenario())

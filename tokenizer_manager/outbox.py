@@ -1,0 +1,93 @@
+"""Replies to clients through the ROUTER: never blocking the loop, never dropped in silence.
+
+With ROUTER_MANDATORY a send fails instead of vanishing: EHOSTUNREACH when the client is gone,
+EAGAIN when its queue (SNDHWM messages, then the kernel's socket buffers) is full because it reads
+slower than its requests produce. What cannot go yet waits here in order, up to a bound in bytes
+per client; past it, the manager gives up on that client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+
+class Delivery(enum.Enum):
+    SENT = "sent"
+    QUEUED = "queued"  # waits for room in the client's queue
+    GONE = "gone"  # the client is not connected any more
+    OVERFLOW = "overflow"  # queued, and the client's backlog is now over the bound
+
+
+@dataclass(slots=True)
+class _Backlog:
+    messages: deque[list[bytes]] = field(default_factory=deque)
+    nbytes: int = 0
+
+
+class Outbox:
+    def __init__(self, router: zmq.asyncio.Socket, max_backlog_bytes: int):
+        self.router = router
+        self.max_backlog_bytes = max_backlog_bytes
+        self.backlogs: dict[bytes, _Backlog] = {}  # by the client's routing id
+        self.waiting = asyncio.Event()  # set while some backlog is not empty
+
+    def send(self, envelope: list[bytes], data: bytes) -> Delivery:
+        frames = [*envelope, data]
+        backlog = self.backlogs.get(envelope[0])
+        if backlog is None:
+            sent = self._try_send(frames)
+            if sent is not None:
+                return sent
+            backlog = self.backlogs[envelope[0]] = _Backlog()
+            self.waiting.set()
+        backlog.messages.append(frames)  # behind older ones: a client gets its replies in order
+        backlog.nbytes += len(data)
+        return Delivery.OVERFLOW if backlog.nbytes > self.max_backlog_bytes else Delivery.QUEUED
+
+    def flush(self) -> list[bytes]:
+        """Send what waits, oldest first, until each client's queue is full again. Returns the
+        clients found gone; their backlogs are dropped."""
+        gone = []
+        for peer, backlog in list(self.backlogs.items()):
+            if self._drain(backlog) is Delivery.GONE:
+                gone.append(peer)
+                del self.backlogs[peer]
+            elif not backlog.messages:
+                del self.backlogs[peer]
+        if not self.backlogs:
+            self.waiting.clear()
+        return gone
+
+    def _drain(self, backlog: _Backlog) -> Delivery | None:
+        while backlog.messages:
+            sent = self._try_send(backlog.messages[0])
+            if sent is not Delivery.SENT:
+                return sent
+            backlog.nbytes -= len(backlog.messages.popleft()[-1])
+        return Delivery.SENT
+
+    def drop(self, peer: bytes) -> None:
+        """Forget what waits for `peer`."""
+        self.backlogs.pop(peer, None)
+        if not self.backlogs:
+            self.waiting.clear()
+
+    def _try_send(self, frames: list[bytes]) -> Delivery | None:
+        """SENT or GONE; None when the client's queue is full."""
+        # With NOBLOCK, pyzmq's asyncio socket tries the send at once: the future is done.
+        done = self.router.send_multipart(frames, flags=zmq.NOBLOCK)
+        assert isinstance(done, asyncio.Future) and done.done()
+        error = done.exception()
+        if error is None:
+            return Delivery.SENT
+        if isinstance(error, zmq.Again):
+            return None
+        if isinstance(error, zmq.ZMQError) and error.errno == zmq.EHOSTUNREACH:
+            return Delivery.GONE
+        raise error
