@@ -2,12 +2,17 @@
 
     python launch.py [--model DIR_OR_HF_ID] [--port 30000] ...
 
-Waits until every process reports ready, then watches them: if any one exits, or on SIGINT /
-SIGTERM, all are stopped and the private IPC directory is removed. Never leaves orphans.
+Waits until every process reports ready, then watches them: if any one exits, or stops beating
+for --watchdog-timeout seconds (hung), all are stopped and it exits non-zero. SIGINT / SIGTERM
+drain: the tokenizer manager stops accepting requests and answers those in flight (finished
+within --shutdown-timeout, or aborted), then all stop and it exits 0. The private IPC directory
+is removed either way. Never leaves orphans.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import multiprocessing as mp
 import shutil
@@ -20,6 +25,7 @@ import msgspec
 
 from radixserve.detokenizer.process import run_detokenizer_process
 from radixserve.model_worker.model_source import ModelNotFound, resolve_model_path
+from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat
 from radixserve.protocol.internal import ProcessReady
 from radixserve.scheduler.process import run_scheduler_process
 from radixserve.server_args import ServerArgs, parse_server_args
@@ -28,7 +34,8 @@ from radixserve.tokenizer_manager.process import run_tokenizer_manager_process
 logger = logging.getLogger("radixserve")
 
 READY_TIMEOUT_S = 600  # a large model on a slow disk takes minutes to load
-STOP_GRACE_S = 5
+WATCH_INTERVAL_S = 0.5  # how often the heartbeats are read
+DRAIN_MARGIN_S = 15  # beyond --shutdown-timeout: aborting, and delivering the last replies
 
 
 class Shutdown(Exception):
@@ -45,6 +52,7 @@ class Server:
         self.model_path = model_path
         self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-")  # mode 0700: ours alone
         self.procs: list[mp.Process] = []
+        self.heartbeats: list[Heartbeat] = []
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -55,15 +63,17 @@ class Server:
             ("tokenizer_manager", run_tokenizer_manager_process),
         ):
             reader, writer = ctx.Pipe(duplex=False)
+            heartbeat = Heartbeat(ctx)
             proc = ctx.Process(
                 target=target,
                 name=name,
                 daemon=True,
-                args=(self.args, self.model_path, self.ipc_dir, writer),
+                args=(self.args, self.model_path, self.ipc_dir, writer, heartbeat),
             )
             proc.start()
             writer.close()
             self.procs.append(proc)
+            self.heartbeats.append(heartbeat)
             readers[reader] = proc
         self._wait_ready(readers)
 
@@ -78,27 +88,54 @@ class Server:
                 if item in sentinels:
                     raise RuntimeError(f"{sentinels[item].name} exited while starting")
                 msg = msgspec.msgpack.decode(item.recv_bytes(), type=ProcessReady)
-                logger.info("%s is ready", msg.name)
+                logger.info("%s is ready (pid %d)", msg.name, pending[item].pid)
                 del pending[item]
 
     def watch(self) -> str:
-        """Block until a child exits; returns its description."""
+        """Block until a child exits or stops beating (hung); returns which, and how."""
         sentinels = {p.sentinel: p for p in self.procs}
-        done = wait(list(sentinels))
-        proc = sentinels[done[0]]
-        proc.join()
-        return f"{proc.name} exited with code {proc.exitcode}"
+        for heartbeat in self.heartbeats:
+            heartbeat.beat()  # silence counts from now: each child has just reported ready
+        timeout = self.args.watchdog_timeout
+        while True:
+            done = wait(list(sentinels), timeout=WATCH_INTERVAL_S)
+            if done:
+                proc = sentinels[done[0]]
+                proc.join()
+                return f"{proc.name} exited with code {proc.exitcode}"
+            for proc, heartbeat in zip(self.procs, self.heartbeats):
+                if heartbeat.silence() > timeout:
+                    return f"{proc.name} stopped answering for {timeout:g}s (--watchdog-timeout)"
+
+    def drain(self) -> None:
+        """Let the tokenizer manager answer every request in flight and exit (its SIGTERM)."""
+        manager = next((p for p in self.procs if p.name == "tokenizer_manager"), None)
+        if manager is not None and manager.is_alive():
+            manager.terminate()
+            manager.join(self.args.shutdown_timeout + DRAIN_MARGIN_S)
 
     def stop(self) -> None:
+        # SIGKILL: a child that hangs, or is stopped, must go too; none keeps state to save.
         for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.procs:
-            proc.join(STOP_GRACE_S)
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+        for proc in self.procs:
+            proc.join()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _warn_if_reachable(args: ServerArgs) -> None:
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:  # a host name
+        loopback = args.host == "localhost"
+    if not loopback:
+        logger.warning(
+            "Listening on %s: any machine that reaches it can use the server%s. The wire is not "
+            "encrypted; keep it on a trusted network.",
+            args.host,
+            "" if args.api_key else " (no --api-key)",
+        )
 
 
 def _names(pending: dict[Connection, mp.Process]) -> str:
@@ -110,14 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="[%(asctime)s launch] %(message)s", datefmt="%H:%M:%S"
     )
+    if args.watchdog_timeout < 2 * HEARTBEAT_INTERVAL_S:
+        logger.error("--watchdog-timeout must be at least %gs", 2 * HEARTBEAT_INTERVAL_S)
+        return 2
     try:
         model_path = resolve_model_path(args.model)
     except ModelNotFound as e:
         logger.error("%s", e)
         return 2
+    _warn_if_reachable(args)
     signal.signal(signal.SIGINT, _raise_shutdown)
     signal.signal(signal.SIGTERM, _raise_shutdown)
     server = Server(args, model_path)
+    logger.info("IPC directory %s", server.ipc_dir)
     try:
         server.start()
         logger.info("radixserve ready on tcp://%s:%d (model %s)", args.host, args.port, model_path)
@@ -125,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s; shutting down", reason)
         return 1
     except Shutdown as sig:
-        logger.info("%s received; shutting down", sig)
+        logger.info("%s received; answering the requests in flight, then shutting down", sig)
+        with contextlib.suppress(Shutdown):  # a second signal cuts the drain short
+            server.drain()
         return 0
     except RuntimeError as e:
         logger.error("%s; shutting down", e)

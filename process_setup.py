@@ -1,5 +1,6 @@
 """What every server process does first: logging, torch threads, dying with its parent, and (the
-model process) keeping freed memory for its next forward."""
+model process) keeping freed memory for its next forward. And the heartbeat each one's main loop
+gives launch.py's watchdog."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 import os
 import signal
 import sys
+import time
+from multiprocessing.context import SpawnContext
 
 from radixserve.server_args import ServerArgs
 
@@ -15,6 +18,24 @@ _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's malloc.h
 _MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit
 _TRIM_THRESHOLD = 1 << 30
+
+# An idle main loop still wakes this often to beat, so that only a hung one goes silent.
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class Heartbeat:
+    """When a child's main loop last went round, in shared memory that launch.py reads. The loop
+    itself writes it, never a helper thread: a hung loop must not look alive."""
+
+    def __init__(self, ctx: SpawnContext):
+        self._last = ctx.RawValue("d", time.monotonic())  # CLOCK_MONOTONIC: one for all processes
+
+    def beat(self) -> None:
+        self._last.value = time.monotonic()
+
+    def silence(self) -> float:
+        """Seconds since the last beat."""
+        return time.monotonic() - self._last.value
 
 
 def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1) -> None:

@@ -29,8 +29,10 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     torch_threads: int | None = None  # model process threads; default: all cores
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
+    max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
     max_reply_backlog_bytes: int = 64 * 1024 * 1024  # unread replies held for one slow client
     api_key: str | None = None
+    watchdog_timeout: float = 300.0  # seconds a server process may go without a heartbeat
     shutdown_timeout: float = 0.0  # on SIGTERM, seconds in-flight requests may take to finish
     log_requests: bool = False
     check_invariants: bool = False  # verify the scheduler's invariants after every step (tests)
@@ -47,9 +49,13 @@ _HELP = {
     "prompt is prefilled in chunks (-1: no chunking)",
     "schedule_policy": "fcfs | lpm (longest prefix match first)",
     "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
+    "max_queued_requests": "requests that may wait for admission; past it, new ones get an "
+    "`overloaded` error",
     "max_reply_backlog_bytes": "replies held for a client that reads slower than it asks; past "
     "it, that client's requests are aborted with an `overloaded` error",
     "api_key": "require this key in the `api_key` field of every request but `health`",
+    "watchdog_timeout": "seconds a server process may go without a heartbeat before the server "
+    "is stopped as hung",
     "shutdown_timeout": "on SIGTERM, seconds that requests in flight may take to finish before "
     "they are aborted (0: abort at once)",
     "log_requests": "log one line per finished, aborted or failed request",

@@ -9,7 +9,7 @@ import msgspec
 import zmq
 
 from radixserve.detokenizer.incremental import BatchDecoder, IncrementalDetokenizer
-from radixserve.process_setup import configure_process
+from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat, configure_process
 from radixserve.protocol import transport
 from radixserve.protocol.internal import BatchStrOut, BatchTokenOut, ProcessReady
 from radixserve.server_args import ServerArgs
@@ -18,7 +18,11 @@ logger = logging.getLogger(__name__)
 
 
 def run_detokenizer_process(
-    server_args: ServerArgs, model_path: str, ipc_dir: str, ready_writer: Connection
+    server_args: ServerArgs,
+    model_path: str,
+    ipc_dir: str,
+    ready_writer: Connection,
+    heartbeat: Heartbeat,
 ) -> None:
     configure_process("detokenizer", server_args)
     detokenizer = IncrementalDetokenizer(_load_tokenizer(model_path))
@@ -32,7 +36,10 @@ def run_detokenizer_process(
     ready_writer.close()
     logger.info("ready")
     while True:
-        # A blocking receive: the process sleeps while nothing is generated.
+        heartbeat.beat()
+        # The process sleeps while nothing is generated, waking only to beat.
+        if not recv_sock.poll(HEARTBEAT_INTERVAL_S * 1000):
+            continue
         batch: BatchTokenOut = codec.decode(recv_sock.recv())
         strs, stops = detokenizer.step(batch.outs)
         for stop in stops:

@@ -11,7 +11,12 @@ import zmq
 from radixserve.model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.parallel import TPGroup
-from radixserve.process_setup import configure_process, keep_freed_memory
+from radixserve.process_setup import (
+    HEARTBEAT_INTERVAL_S,
+    Heartbeat,
+    configure_process,
+    keep_freed_memory,
+)
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
     AbortReq,
@@ -21,6 +26,7 @@ from radixserve.protocol.internal import (
     HealthOut,
     HealthReq,
     ProcessReady,
+    ReqError,
     SchedulerInput,
     ServerInfoOut,
     ServerInfoReq,
@@ -80,7 +86,9 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
 
 
 class SchedulerProcess:
-    def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str):
+    def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str, heartbeat: Heartbeat):
+        self.max_queued_requests = args.max_queued_requests
+        self.heartbeat = heartbeat
         self.scheduler = build_scheduler(args, model_path)
         ctx = zmq.Context()
         self.recv_from_tokenizer = transport.bind_pull(ctx, ipc_dir, transport.SCHEDULER_INPUT)
@@ -94,17 +102,22 @@ class SchedulerProcess:
         scheduler = self.scheduler
         ran = False
         while True:
+            self.heartbeat.beat()
             # Sleep until a message comes when the last step ran nothing: then nothing can run
             # until something changes (idle, or waiting requests that do not fit yet).
-            for msg in self.recv_requests(block=not ran):
+            msgs = self.recv_requests(block=not ran)
+            if not ran and not msgs:
+                continue  # woken only to beat
+            for msg in msgs:
                 self.process_input_request(msg)
             ran = scheduler.step() is not None
             self.stream_output()
 
     def recv_requests(self, block: bool) -> list[msgspec.Struct]:
-        """Everything queued now; when idle, first sleep until something arrives."""
+        """Everything queued now; when idle, first sleep until something arrives (or it is time
+        to beat)."""
         if block:
-            self.recv_from_tokenizer.poll()
+            self.recv_from_tokenizer.poll(HEARTBEAT_INTERVAL_S * 1000)
         msgs = []
         while True:
             try:
@@ -117,6 +130,10 @@ class SchedulerProcess:
         scheduler = self.scheduler
         match msg:
             case TokenizedGenerateReq():
+                if len(scheduler.waiting) >= self.max_queued_requests:
+                    message = f"{len(scheduler.waiting)} requests wait (--max-queued-requests)"
+                    self._reply(ReqError(msg.rid, "overloaded", message))
+                    return
                 error = scheduler.add_request(msg)
                 if error is not None:
                     self._reply(error)
@@ -144,10 +161,14 @@ class SchedulerProcess:
 
 
 def run_scheduler_process(
-    args: ServerArgs, model_path: str, ipc_dir: str, ready_writer: Connection
+    args: ServerArgs,
+    model_path: str,
+    ipc_dir: str,
+    ready_writer: Connection,
+    heartbeat: Heartbeat,
 ) -> None:
     configure_process("scheduler", args, torch_threads=args.torch_threads)
     keep_freed_memory()
-    proc = SchedulerProcess(args, model_path, ipc_dir)
+    proc = SchedulerProcess(args, model_path, ipc_dir, heartbeat)
     ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("scheduler")))
     proc.event_loop()

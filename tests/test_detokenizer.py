@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from radixserve.detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
 from radixserve.detokenizer.process import run_detokenizer_process
 from radixserve.model_worker.model_source import default_model_dir
+from radixserve.process_setup import Heartbeat
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
     BatchStrOut,
@@ -276,8 +277,10 @@ def test_detokenizer_process_over_ipc(model_dir, tokenizer):
     ipc_dir = tempfile.mkdtemp(prefix="rs-detok-")  # 0700, short enough for a socket path
     ctx = zmq.Context()
     reader, writer = multiprocessing.Pipe(duplex=False)
-    proc = multiprocessing.get_context("spawn").Process(
-        target=run_detokenizer_process, args=(ServerArgs(), model_dir, ipc_dir, writer)
+    spawn = multiprocessing.get_context("spawn")
+    heartbeat = Heartbeat(spawn)
+    proc = spawn.Process(
+        target=run_detokenizer_process, args=(ServerArgs(), model_dir, ipc_dir, writer, heartbeat)
     )
     try:
         assert os.stat(ipc_dir).st_mode & 0o777 == 0o700

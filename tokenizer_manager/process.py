@@ -9,19 +9,20 @@ from multiprocessing.connection import Connection
 import msgspec
 import uvloop
 
-from radixserve.process_setup import configure_process
+from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat, configure_process
 from radixserve.protocol.internal import ProcessReady
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager.manager import TokenizerManager
 
 
-async def _serve(manager: TokenizerManager, ready_writer: Connection) -> None:
+async def _serve(manager: TokenizerManager, ready_writer: Connection, heartbeat: Heartbeat) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     loops = [
         asyncio.create_task(manager.client_loop()),
         asyncio.create_task(manager.output_loop()),
         asyncio.create_task(manager.flush_loop()),
+        asyncio.create_task(_beat(heartbeat)),
     ]
     ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("tokenizer_manager")))
     stopping = asyncio.create_task(stop.wait())
@@ -37,12 +38,20 @@ async def _serve(manager: TokenizerManager, ready_writer: Connection) -> None:
     manager.close()
 
 
+async def _beat(heartbeat: Heartbeat) -> None:
+    # On the event loop: a loop stuck in one callback stops beating, and the watchdog sees it.
+    while True:
+        heartbeat.beat()
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
 def run_tokenizer_manager_process(
     args: ServerArgs,
     model_path: str,
     ipc_dir: str,
     ready_writer: Connection,
+    heartbeat: Heartbeat,
 ) -> None:
     configure_process("tokenizer_manager", args)
     manager = TokenizerManager(args, model_path, ipc_dir)
-    uvloop.run(_serve(manager, ready_writer))
+    uvloop.run(_serve(manager, ready_writer, heartbeat))

@@ -1,0 +1,49 @@
+"""A server process that dies or hangs takes the whole server down, at once and completely: the
+launcher names it, stops the rest, removes the IPC directory and exits non-zero within 10 s."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from live_server import child_pids, ipc_dir, wait_gone
+
+from radixserve.client.local_server import launched_server
+
+WATCHDOG_S = 2
+
+
+FAULTS = [
+    ("scheduler", signal.SIGKILL, "scheduler exited with code -9"),
+    ("detokenizer", signal.SIGKILL, "detokenizer exited with code -9"),
+    ("tokenizer_manager", signal.SIGKILL, "tokenizer_manager exited with code -9"),
+    # A hang: the process is there, its pipes open, its main loop stopped.
+    ("scheduler", signal.SIGSTOP, f"scheduler stopped answering for {WATCHDOG_S}s"),
+]
+
+
+@pytest.mark.parametrize("child, sig, named", FAULTS)
+def test_a_dead_or_hung_child_stops_the_server(tiny_served_model, child, sig, named):
+    with launched_server(
+        "--model",
+        str(tiny_served_model),
+        "--torch-threads",
+        "1",
+        "--watchdog-timeout",
+        str(WATCHDOG_S),
+    ) as s:
+        pids, ipc = child_pids(s), ipc_dir(s)
+        assert sorted(pids) == ["detokenizer", "scheduler", "tokenizer_manager"]
+        assert os.stat(ipc).st_mode & 0o777 == 0o700  # the server's alone
+        children = s.children()
+        start = time.monotonic()
+        os.kill(pids[child], sig)
+        assert s.proc.wait(10) == 1
+        print(
+            f"\n{child} {signal.Signals(sig).name}: server down in {time.monotonic() - start:.1f} s"
+        )
+        assert named in s.log()
+        assert wait_gone(children) == []
+        assert not os.path.exists(ipc)
