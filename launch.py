@@ -20,16 +20,14 @@ import signal
 import sys
 import tempfile
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
 import msgspec
 
-from radixserve.detokenizer.process import run_detokenizer_process
 from radixserve.model_worker.model_source import ModelNotFound, resolve_model_path
 from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat
 from radixserve.protocol.internal import ProcessReady
-from radixserve.scheduler.process import run_scheduler_process
 from radixserve.server_args import ServerArgs, parse_server_args
-from radixserve.tokenizer_manager.process import run_tokenizer_manager_process
 
 logger = logging.getLogger("radixserve")
 
@@ -58,9 +56,9 @@ class Server:
         ctx = mp.get_context("spawn")
         readers: dict[Connection, mp.Process] = {}
         for name, target in (
-            ("scheduler", run_scheduler_process),
-            ("detokenizer", run_detokenizer_process),
-            ("tokenizer_manager", run_tokenizer_manager_process),
+            ("scheduler", _run_scheduler),
+            ("detokenizer", _run_detokenizer),
+            ("tokenizer_manager", _run_tokenizer_manager),
         ):
             reader, writer = ctx.Pipe(duplex=False)
             heartbeat = Heartbeat(ctx)
@@ -122,6 +120,29 @@ class Server:
         for proc in self.procs:
             proc.join()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+# Each child's entry point imports its process module in the child. Every spawned child imports
+# this module again (as its __main__), and only the scheduler needs torch and the model code:
+# imported here, they cost the launcher and each child ~5 s of CPU.
+
+
+def _run_scheduler(*args: Any) -> None:
+    from radixserve.scheduler.process import run_scheduler_process
+
+    run_scheduler_process(*args)
+
+
+def _run_detokenizer(*args: Any) -> None:
+    from radixserve.detokenizer.process import run_detokenizer_process
+
+    run_detokenizer_process(*args)
+
+
+def _run_tokenizer_manager(*args: Any) -> None:
+    from radixserve.tokenizer_manager.process import run_tokenizer_manager_process
+
+    run_tokenizer_manager_process(*args)
 
 
 def _warn_if_reachable(args: ServerArgs) -> None:
