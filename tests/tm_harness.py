@@ -1,0 +1,98 @@
+"""The tokenizer manager alone, over its real sockets: a test plays the scheduler and the
+detokenizer by the internal protocol, so that it can order their messages as a race would, and
+see exactly what reaches the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve.client.local_server import free_port
+from radixserve.protocol import transport
+from radixserve.protocol.internal import BatchStrOut, ReqStrOut, SchedulerInput
+from radixserve.protocol.wire import FinishReason
+from radixserve.server_args import ServerArgs
+from radixserve.tokenizer_manager.manager import TokenizerManager
+
+
+@dataclass
+class Harness:
+    manager: TokenizerManager
+    address: str
+    ctx: zmq.asyncio.Context
+    scheduler: zmq.asyncio.Socket  # what the manager sends to the scheduler arrives here
+    backend: zmq.asyncio.Socket  # what the test sends here reaches the manager as the detokenizer's
+
+    def client(self, **options: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        for name, value in options.items():
+            sock.setsockopt(getattr(zmq, name), value)
+        sock.connect(self.address)
+        return sock
+
+    async def to_scheduler(self, timeout: float = 10) -> Any:
+        data = await asyncio.wait_for(self.scheduler.recv(), timeout)
+        return msgspec.msgpack.decode(data, type=SchedulerInput)
+
+    async def output(
+        self, cid: str, ids: list[int], reason: FinishReason | None = None, text: str = "t"
+    ) -> None:
+        out = ReqStrOut(cid, text, ids, reason, 3, len(ids), 0)
+        await self.backend.send(msgspec.msgpack.encode(BatchStrOut([out])))
+
+
+@contextlib.asynccontextmanager
+async def tokenizer_manager(model_dir: Path, **overrides: Any) -> AsyncIterator[Harness]:
+    ipc_dir = tempfile.mkdtemp(prefix="rs-tm-")
+    args = ServerArgs(model=str(model_dir), port=free_port(), **overrides)
+    manager = TokenizerManager(args, str(model_dir), ipc_dir)
+    ctx = zmq.asyncio.Context()
+    harness = Harness(
+        manager,
+        f"tcp://127.0.0.1:{args.port}",
+        ctx,
+        transport.bind_pull(ctx, ipc_dir, transport.SCHEDULER_INPUT),
+        transport.connect_push(ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT),
+    )
+    loops = [
+        asyncio.create_task(loop())
+        for loop in (manager.client_loop, manager.output_loop, manager.flush_loop)
+    ]
+    try:
+        yield harness
+    finally:
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        manager.close()
+        ctx.destroy(linger=0)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+async def send(sock: zmq.asyncio.Socket, **request: Any) -> None:
+    await sock.send(msgspec.msgpack.encode(request))
+
+
+async def receive(sock: zmq.asyncio.Socket, timeout: float = 10) -> dict:
+    return msgspec.msgpack.decode(await asyncio.wait_for(sock.recv(), timeout))
+
+
+def generate(rid: str, stream: bool = True, **params: Any) -> dict:
+    return {
+        "type": "generate",
+        "rid": rid,
+        "text": "hi",
+        "stream": stream,
+        "sampling_params": params,
+    }
