@@ -1,4 +1,8 @@
-"""Messages between the server's own processes. One tagged union per receiving socket."""
+"""Messages between the server's own processes. One tagged union per receiving socket.
+
+A `rid` here is the tokenizer manager's internal id of one completion, unique for the server's
+lifetime; a client's own rid never leaves the tokenizer manager (tokenizer_manager/inflight.py).
+"""
 
 from __future__ import annotations
 
