@@ -25,6 +25,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     random_seed: int = 0
+    sampling_defaults: str = "model"  # model: generation_config.json fills what a request omits
     torch_threads: int | None = None  # model process threads; default: all cores
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
@@ -41,6 +42,11 @@ _HELP = {
     "chunked_prefill_size": "prompt tokens prefilled in one step, over all requests; a longer "
     "prompt is prefilled in chunks (-1: no chunking)",
     "schedule_policy": "fcfs | lpm (longest prefix match first)",
+    # SGLang's flag and values; vLLM's --generation-config auto|vllm does the same.
+    "sampling_defaults": "model: temperature, top_p, top_k, min_p and repetition_penalty that a "
+    "request leaves out take the model's generation_config.json values; openai: SGLang's "
+    "constant defaults (temperature 1.0, top_p 1.0, top_k -1, min_p 0.0, "
+    "repetition_penalty 1.0). A value a request sends always wins",
 }
 
 
