@@ -39,11 +39,19 @@ def cache_root() -> Path:
 def resolve_model_path(model: str) -> str:
     if model == DEFAULT_MODEL:
         return str(default_model_dir())
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
+    path = os.path.expanduser(model)  # "~/models/x" quoted, so that no shell expanded it
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelNotFound(f"{model} is a directory but has no config.json")
-        return os.path.abspath(model)
+        return os.path.abspath(path)
+    if _looks_like_a_path(model):
+        raise ModelNotFound(f"--model {model}: no such directory")
     return _from_hub(model)
+
+
+def _looks_like_a_path(model: str) -> bool:
+    """A Hub id is `name` or `org/name`; anything else was meant as a directory."""
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1
 
 
 def _from_hub(repo_id: str) -> str:
@@ -60,8 +68,13 @@ def _from_hub(repo_id: str) -> str:
                 f"cannot load {repo_id!r}: it is not a local directory, the Hugging Face Hub "
                 f"did not serve it ({type(online_error).__name__}), and it is not in the local "
                 "HF cache. Download it on a machine with network access "
-                f"(`huggingface-cli download {repo_id}`) and copy the cache, or pass --model DIR."
+                f"(`{_hub_cli()} download {repo_id}`) and copy the cache, or pass --model DIR."
             ) from online_error
+
+
+def _hub_cli() -> str:
+    """huggingface_hub ships `hf` since 0.34; older releases only `huggingface-cli`."""
+    return "hf" if shutil.which("hf") or not shutil.which("huggingface-cli") else "huggingface-cli"
 
 
 def default_model_dir() -> Path:

@@ -1,5 +1,5 @@
-"""launch.py before it serves: --help, its flags, Ctrl-C while starting. Real processes, and no
-server ever gets ready here."""
+"""launch.py before it serves: --help, its flags, a --model that is not there, Ctrl-C while
+starting. Real processes, and no server ever gets ready here."""
 
 from __future__ import annotations
 
@@ -54,6 +54,19 @@ def test_every_server_flag_has_help_and_a_default():
     # The documented CPU KV default is model_runner's, which --help must not import.
     (kv,) = [a.help % {} for a in actions if a.dest == "max_total_tokens"]
     assert f"{CPU_KV_MEMORY_FRACTION:.0%} of RAM" in kv and str(CPU_MAX_KV_TOKENS) in kv
+
+
+def test_a_missing_directory_is_called_one():
+    out = launch("--model", "/no/such/dir")
+    assert out.returncode == 2
+    assert "/no/such/dir: no such directory" in out.stderr
+    assert "Hub" not in out.stderr
+
+
+def test_an_unreachable_hub_id_suggests_the_installed_hub_command():
+    out = launch("--model", "no-such-org/no-such-model", env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2
+    assert "`hf download no-such-org/no-such-model`" in out.stderr
 
 
 def test_ctrl_c_while_starting_stops_everything_without_a_traceback():
