@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_json(control_reply(client, args))
             else:
                 complete(client, args)
-    except (ServerError, ProtocolError, TimeoutError, ValueError) as e:
+    except (ServerError, ProtocolError, TimeoutError, ConnectionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
