@@ -460,9 +460,25 @@ def test_cli_prints_a_completion(server, capsys):
     assert request["sampling_params"]["ignore_eos"] is True
 
 
+def test_cli_sends_each_option_as_its_wire_field(server, capsys):
+    args = ["--port", str(server.port), "--system", "Be brief.", "--stop", "!", "--stop", "."]
+    args += ["--n", "2", "--seed", "7", "--top-logprobs", "3", "--min-p", "0.1", "hi"]
+    assert main(args) == 0
+    request = server.raw_requests[-1]
+    assert request["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert request["sampling_params"] == {"stop": ["!", "."], "n": 2, "seed": 7, "min_p": 0.1}
+    assert request["return_logprob"] and request["top_logprobs_num"] == 3
+    out = capsys.readouterr().out
+    assert out.startswith("===== completion 0 =====\necho:system:Be brief.|user:hi\n")
+    assert "===== completion 1 =====" in out
+
+
 def test_cli_prints_control_replies_as_json(server, capsys):
     assert main(["--port", str(server.port), "--health"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"type": "health"}
+    assert json.loads(capsys.readouterr().out) == {"type": "health", "status": "ok"}
     assert main(["--port", str(server.port), "--server-info"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_tokens_total"] == 4096
     assert main(["--port", str(server.port), "--model-info"]) == 0
@@ -474,5 +490,7 @@ def test_cli_reports_errors(server, capsys):
     assert "invalid_request: boom" in capsys.readouterr().err
     assert main(["--port", str(server.port), "--timeout", "0.1", "hang"]) == 1
     assert "no reply" in capsys.readouterr().err
+    assert main(["--port", str(server.port), "--temperature", "-1", "x"]) == 1
+    assert "invalid_request: temperature must be >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--port", str(server.port)])
