@@ -8,22 +8,21 @@ SIGTERM, all are stopped and the private IPC directory is removed. Never leaves 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 
 import msgspec
 
-from radixserve.detokenizer.process import run_detokenizer_process
 from radixserve.model_worker.model_source import ModelNotFound, resolve_model_path
 from radixserve.protocol.internal import ProcessReady
-from radixserve.scheduler.process import run_scheduler_process
 from radixserve.server_args import ServerArgs, parse_server_args
-from radixserve.tokenizer_manager.process import run_tokenizer_manager_process
 
 logger = logging.getLogger("radixserve")
 
@@ -47,6 +46,12 @@ class Server:
         self.procs: list[mp.Process] = []
 
     def start(self) -> None:
+        # Imported here, after the arguments are parsed: they pull in torch and transformers,
+        # which would make `--help` take seconds.
+        from radixserve.detokenizer.process import run_detokenizer_process
+        from radixserve.scheduler.process import run_scheduler_process
+        from radixserve.tokenizer_manager.process import run_tokenizer_manager_process
+
         ctx = mp.get_context("spawn")
         readers: dict[Connection, mp.Process] = {}
         for name, target in (
@@ -61,9 +66,10 @@ class Server:
                 daemon=True,
                 args=(self.args, self.model_path, self.ipc_dir, writer),
             )
-            proc.start()
+            with _sigint_ignored():
+                proc.start()
+                self.procs.append(proc)
             writer.close()
-            self.procs.append(proc)
             readers[reader] = proc
         self._wait_ready(readers)
 
@@ -101,6 +107,19 @@ class Server:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """A child exec'd while SIGINT is ignored starts with it ignored (Python then installs no
+    KeyboardInterrupt handler), so that a Ctrl-C in the terminal, which reaches the whole
+    process group, cannot cut a child's imports short with a traceback: launch.py alone stops
+    the children. Each child is in self.procs before a Ctrl-C can interrupt launch.py again."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _names(pending: dict[Connection, mp.Process]) -> str:
     return ", ".join(p.name for p in pending.values())
 
@@ -110,13 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="[%(asctime)s launch] %(message)s", datefmt="%H:%M:%S"
     )
+    signal.signal(signal.SIGINT, _raise_shutdown)
+    signal.signal(signal.SIGTERM, _raise_shutdown)
     try:
-        model_path = resolve_model_path(args.model)
+        model_path = resolve_model_path(args.model)  # may download or convert: interruptible
     except ModelNotFound as e:
         logger.error("%s", e)
         return 2
-    signal.signal(signal.SIGINT, _raise_shutdown)
-    signal.signal(signal.SIGTERM, _raise_shutdown)
+    except Shutdown as sig:
+        logger.info("%s received; shutting down", sig)
+        return 0
     server = Server(args, model_path)
     try:
         server.start()

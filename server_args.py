@@ -1,4 +1,7 @@
-"""The server's one typed configuration, parsed once by launch.py and handed to every process."""
+"""The server's one typed configuration, parsed once by launch.py and handed to every process.
+
+Importing this module must stay cheap: `launch.py --help` parses with it before anything heavy.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     random_seed: int = 0
+    sampling_defaults: str = "model"  # model: generation_config.json fills what a request omits
     torch_threads: int | None = None  # model process threads; default: all cores
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
@@ -32,15 +36,48 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "info"
 
 
+# Every flag's help. A field whose default is None says here what it derives instead.
 _HELP = {
-    "model": "local directory, Hugging Face id, or the bundled default",
-    "dtype": "auto | bfloat16 | float16 | float32",
-    "device": "auto | cpu | cuda",
-    "max_total_tokens": "KV cache size in tokens",
+    "model": "a local model directory (config.json, safetensors, tokenizer), a Hugging Face Hub "
+    "id (the Hub when reachable, else the offline HF cache), or the bundled default model",
+    "host": "address the client endpoint (a ZMQ ROUTER) binds",
+    "port": "TCP port of the client endpoint",
+    "dtype": "weights and KV cache dtype; auto: float32 on CPUs without native bf16, bfloat16 on "
+    "others, the checkpoint's half precision on GPU",
+    "device": "auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N",
+    "context_length": "longest prompt + output in tokens (default: the model's "
+    "max_position_embeddings)",
+    "max_total_tokens": "KV cache size in tokens (default: what fits in --mem-fraction-static of "
+    "the GPU; on CPU 10%% of RAM, at most 262144 tokens)",
+    "mem_fraction_static": "fraction of GPU memory for the weights and the KV cache",
+    "max_running_requests": "cap on requests running at once (default: 256, or fewer when the "
+    "KV cache or --max-prefill-tokens is smaller)",
     "max_prefill_tokens": "token budget of one scheduler step",
     "chunked_prefill_size": "prompt tokens prefilled in one step, over all requests; a longer "
-    "prompt is prefilled in chunks (-1: no chunking)",
-    "schedule_policy": "fcfs | lpm (longest prefix match first)",
+    "prompt is prefilled in chunks while decodes go on (-1: no chunking)",
+    "page_size": "prefix-cache granularity in tokens: prefixes are matched and evicted in whole "
+    "pages",
+    "disable_radix_cache": "turn off prefix sharing between requests",
+    "schedule_policy": "fcfs: first come first served; lpm: longest cached prefix first",
+    "random_seed": "seed of the sampler for requests without their own seed",
+    # SGLang's flag and values; vLLM's --generation-config auto|vllm does the same.
+    "sampling_defaults": "model: temperature, top_p, top_k, min_p and repetition_penalty that a "
+    "request leaves out take the model's generation_config.json values; openai: SGLang's "
+    "constant defaults (temperature 1.0, top_p 1.0, top_k -1, min_p 0.0, "
+    "repetition_penalty 1.0). A value a request sends always wins",
+    "torch_threads": "CPU threads of the model process (default: all cores)",
+    "log_interval": "decode steps between two throughput log lines",
+    "max_request_bytes": "largest client request accepted, in bytes",
+    "check_invariants": "verify the scheduler's invariants after every step (slow; for tests)",
+    "log_level": "logging level of every server process",
+}
+
+# Flags whose values form a closed set: argparse refuses others before anything starts.
+_CHOICES = {
+    "dtype": ("auto", "bfloat16", "float16", "float32"),
+    "schedule_policy": ("fcfs", "lpm"),
+    "sampling_defaults": ("model", "openai"),
+    "log_level": ("debug", "info", "warning", "error"),
 }
 
 
@@ -49,16 +86,32 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     for field in msgspec.structs.fields(ServerArgs):
         flag = "--" + field.name.replace("_", "-")
         default = field.default
+        help_text = _HELP.get(field.name)  # None when missing: tests/test_launch.py catches it
+        if help_text is not None and default is not None:
+            help_text += " (default: off)" if default is False else " (default: %(default)s)"
         if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", help=_HELP.get(field.name))
+            parser.add_argument(flag, action="store_true", help=help_text)
             continue
         # Every optional field is an int whose None means "derive it".
         kind = int if default is None else type(default)
-        parser.add_argument(flag, type=kind, default=default, help=_HELP.get(field.name))
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            choices=_CHOICES.get(field.name),
+            help=help_text,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixserve",
+        description="Serve an LLM: clients send msgpack requests over ZMQ to tcp://HOST:PORT. "
+        "Ctrl-C or SIGTERM stops every process.",
+    )
+    add_cli_args(parser)
+    return parser
 
 
 def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="radixserve", description="Serve an LLM over ZMQ.")
-    add_cli_args(parser)
-    ns = parser.parse_args(argv)
-    return ServerArgs(**vars(ns))
+    return ServerArgs(**vars(build_parser().parse_args(argv)))

@@ -6,6 +6,8 @@ an out-of-range value fails in the decoder with a message that names the field.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 # Bounds on what a client controls. Integers that become int64 tensor entries must fit one (a
@@ -86,7 +88,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+    # No "tool": the wire format has no tools, tool calls or tool_call_id, so a tool message
+    # could answer no call, and a template that does not know the role (SmolLM2's) would
+    # render it as a marker the model never saw. Adding it with tool calls is additive.
+    role: Literal["system", "user", "assistant"]
     content: str
 
 

@@ -52,6 +52,10 @@ from radixserve.protocol.wire import (
     ServerInfoRequest,
 )
 from radixserve.server_args import ServerArgs
+from radixserve.tokenizer_manager.sampling_defaults import (
+    apply_sampling_defaults,
+    load_sampling_defaults,
+)
 from radixserve.tokenizer_manager.tokenization import Tokenization
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
@@ -86,6 +90,7 @@ class TokenizerManager:
             args.dtype, resolve_device(args.device), checkpoint_dtype=self.model_config.dtype
         )
         self.tokenization = Tokenization(model_path, self.model_config.vocab_size)
+        self.sampling_defaults = load_sampling_defaults(model_path, args.sampling_defaults)
         ctx = zmq.asyncio.Context()
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -124,9 +129,10 @@ class TokenizerManager:
                 f"{self.args.max_request_bytes} (--max-request-bytes)",
             )
         try:
-            return self.client_decoder.decode(payload)
+            req = self.client_decoder.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             raise _ClientError("invalid_request", str(e), _rid_of(payload)) from None
+        return apply_sampling_defaults(req, payload, self.sampling_defaults)
 
     async def handle_request(self, envelope: Envelope, req: msgspec.Struct) -> None:
         match req:
