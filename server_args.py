@@ -25,7 +25,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     random_seed: int = 0
-    torch_threads: int | None = None  # model process threads; default: all cores
+    num_threads: int | None = None  # model process threads; default: all cores
+    attention_backend: str = "auto"  # auto | torch_native | cpu_attn
+    quantization: str | None = None  # None | int8
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
     check_invariants: bool = False  # verify the scheduler's invariants after every step (tests)
@@ -41,7 +43,16 @@ _HELP = {
     "chunked_prefill_size": "prompt tokens prefilled in one step, over all requests; a longer "
     "prompt is prefilled in chunks (-1: no chunking)",
     "schedule_policy": "fcfs | lpm (longest prefix match first)",
+    "num_threads": "threads of the model process (default: all cores); the others take one",
+    "attention_backend": "auto | torch_native | cpu_attn. cpu_attn: the CPU extension (paged "
+    "attention reading the KV pool in place, fused small ops), float32 on the CPU; auto picks it "
+    "there when it builds, torch_native (eager torch, the reference) elsewhere",
+    "quantization": "int8: int8 weights and per-token int8 activations (w8a8) for every linear "
+    "layer and the LM head, on the CPU",
 }
+
+
+_OPTIONAL_STRINGS = frozenset({"quantization"})
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +63,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", help=_HELP.get(field.name))
             continue
-        # Every optional field is an int whose None means "derive it".
-        kind = int if default is None else type(default)
+        # Every optional field is an int whose None means "derive it", but the strings below.
+        kind = str if field.name in _OPTIONAL_STRINGS else int if default is None else type(default)
         parser.add_argument(flag, type=kind, default=default, help=_HELP.get(field.name))
 
 
