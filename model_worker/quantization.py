@@ -2,9 +2,10 @@
 as SGLang's and vLLM's `w8a8_int8`), through fbgemm's int8 GEMM in torch.
 
 Weights are quantized once after loading, symmetrically per output channel. fbgemm's dynamic
-linear quantizes its input with one scale for the whole tensor; dividing each row by its own
-max |x| first gives every token its own range (its scale is multiplied back into the output),
-so a token's result does not depend on what else is in the batch.
+linear quantizes its input with one scale for the whole tensor, from the tensor's min and max.
+Each row is divided by its own max |x| (its scale multiplied back into the output), and a guard
+row holding +1 and -1 pins the tensor's range to [-1, 1]: every token is then quantized on its
+own range alone, and its result does not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 -> x W^T + bias [M, N]."""
         row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+        rows = torch.empty(x.shape[0] + 1, x.shape[1], dtype=torch.float32)
+        torch.div(x, row_scale, out=rows[1:])
+        rows[0].zero_()
+        rows[0, 0], rows[0, 1] = 1.0, -1.0
         # reduce_range: 7-bit activations, so that AVX2's u8 x s8 pair sums cannot saturate.
-        y = torch.ops.quantized.linear_dynamic(x / row_scale, self.packed, True)
+        y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)[1:]
         y.mul_(row_scale)
         return y if bias is None else y.add_(bias)
 
