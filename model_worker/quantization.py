@@ -41,6 +41,8 @@ class Int8Weight:
         rows[0].zero_()
         rows[0, 0], rows[0, 1] = 1.0, -1.0
         # reduce_range: 7-bit activations, so that AVX2's u8 x s8 pair sums cannot saturate.
+        # (Full 8 bits measured: more accurate on SmolLM2's activations, but up to 3x the error
+        # on Gaussian ones, where the saturation shows; see benchmarks/RESULTS.md.)
         y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)[1:]
         y.mul_(row_scale)
         return y if bias is None else y.add_(bias)
