@@ -51,12 +51,12 @@ def load_cpu_kernels() -> None:
     if capability in _VEC_CAPABILITIES:
         defines.append(f"-DCPU_CAPABILITY_{capability}")
     build_dir = _cache_root() / f"{capability.lower()}-{_machine_key()}"
-    build_dir.mkdir(parents=True, exist_ok=True)
+    sources = _stage_sources(build_dir / "src")
     _put_ninja_on_path()
     try:
         cpp_extension.load(
             name="radixserve_cpu",
-            sources=[str(CSRC / s) for s in SOURCES],
+            sources=[str(s) for s in sources],
             extra_cflags=["-O3", "-march=native", "-fopenmp", *defines],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -64,6 +64,25 @@ def load_cpu_kernels() -> None:
         )
     except (RuntimeError, OSError, ImportError) as e:
         raise KernelBuildError(f"building {CSRC} in {build_dir} failed: {e}") from e
+
+
+def _stage_sources(src_dir: Path) -> list[Path]:
+    """Copy the sources into the cache, where their path is the same for every install (a
+    checkout, a wheel in a venv): ninja rebuilds when a compile command changes, so sources
+    compiled from two places would rebuild each other. Files are rewritten only when their
+    contents change, keeping the timestamps ninja compares."""
+    src_dir.mkdir(parents=True, exist_ok=True)
+    staged = []
+    for path in sorted(CSRC.iterdir()):
+        target = src_dir / path.name
+        data = path.read_bytes()
+        if not target.is_file() or target.read_bytes() != data:
+            tmp = target.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)  # atomic: another process may be compiling from it
+        if path.name in SOURCES:
+            staged.append(target)
+    return staged
 
 
 def _cache_root() -> Path:
