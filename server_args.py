@@ -29,7 +29,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     random_seed: int = 0
     sampling_defaults: str = "model"  # model: generation_config.json fills what a request omits
-    torch_threads: int | None = None  # model process threads; default: all cores
+    num_threads: int | None = None  # model process threads; default: all cores
+    attention_backend: str = "auto"  # auto | torch_native | cpu_attn
+    quantization: str | None = None  # None | int8
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
     check_invariants: bool = False  # verify the scheduler's invariants after every step (tests)
@@ -65,7 +67,12 @@ _HELP = {
     "request leaves out take the model's generation_config.json values; openai: SGLang's "
     "constant defaults (temperature 1.0, top_p 1.0, top_k -1, min_p 0.0, "
     "repetition_penalty 1.0). A value a request sends always wins",
-    "torch_threads": "CPU threads of the model process (default: all cores)",
+    "num_threads": "CPU threads of the model process (default: all cores); the others take one",
+    "attention_backend": "cpu_attn: the CPU extension (paged attention reading the KV pool in "
+    "place, fused small ops), float32 on the CPU; torch_native: eager torch, the reference; auto: "
+    "cpu_attn where it applies and builds, else torch_native",
+    "quantization": "int8: int8 weights and per-token int8 activations (w8a8) for every linear "
+    "layer and the LM head, on the CPU (default: none)",
     "log_interval": "decode steps between two throughput log lines",
     "max_request_bytes": "largest client request accepted, in bytes",
     "check_invariants": "verify the scheduler's invariants after every step (slow; for tests)",
@@ -77,8 +84,16 @@ _CHOICES = {
     "dtype": ("auto", "bfloat16", "float16", "float32"),
     "schedule_policy": ("fcfs", "lpm"),
     "sampling_defaults": ("model", "openai"),
+    "attention_backend": ("auto", "torch_native", "cpu_attn"),
+    "quantization": ("int8",),
     "log_level": ("debug", "info", "warning", "error"),
 }
+
+
+_OPTIONAL_STRINGS = frozenset({"quantization"})
+
+
+_OPTIONAL_STRINGS = frozenset({"quantization"})
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -92,8 +107,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", help=help_text)
             continue
-        # Every optional field is an int whose None means "derive it".
-        kind = int if default is None else type(default)
+        # Every optional field is an int whose None means "derive it", but the strings below.
+        kind = str if field.name in _OPTIONAL_STRINGS else int if default is None else type(default)
         parser.add_argument(
             flag,
             type=kind,

@@ -45,6 +45,8 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
         mem_fraction_static=args.mem_fraction_static,
         tp=TPGroup(rank=0, size=1, group=None),
         seed=args.random_seed,
+        attention_backend=args.attention_backend,
+        quantization=args.quantization,
     )
     model = runner.model_config
     context_len = args.context_length or model.max_position_embeddings
@@ -146,7 +148,7 @@ class SchedulerProcess:
 def run_scheduler_process(
     args: ServerArgs, model_path: str, ipc_dir: str, ready_writer: Connection
 ) -> None:
-    configure_process("scheduler", args, torch_threads=args.torch_threads)
+    configure_process("scheduler", args, torch_threads=args.num_threads)
     keep_freed_memory()
     proc = SchedulerProcess(args, model_path, ipc_dir)
     ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("scheduler")))

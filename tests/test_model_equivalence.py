@@ -91,8 +91,11 @@ def assert_matches_hf(hf: torch.nn.Module, s: Seq) -> None:
     assert expected.abs().max() > 0.5, "logits too small for the comparison to mean anything"
 
 
+@pytest.mark.parametrize("backend", ["torch_native", "cpu_attn"])
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_and_decode_match_transformers(tiny_model, device, case: str) -> None:
+def test_prefill_and_decode_match_transformers(tiny_model, device, case: str, backend: str) -> None:
+    if backend == "cpu_attn" and device.type != "cpu":
+        pytest.skip("the CPU extension runs on the CPU")
     kind, overrides = CASES[case]
     path: Path = tiny_model(kind, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -104,7 +107,9 @@ def test_prefill_and_decode_match_transformers(tiny_model, device, case: str) ->
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
+        attention_backend=backend,
     )
+    assert runner.attention_backend == backend
     assert runner.max_total_tokens == POOL_TOKENS
 
     gen = torch.Generator().manual_seed(1)
