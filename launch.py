@@ -112,12 +112,16 @@ def _sigint_ignored() -> Iterator[None]:
     """A child exec'd while SIGINT is ignored starts with it ignored (Python then installs no
     KeyboardInterrupt handler), so that a Ctrl-C in the terminal, which reaches the whole
     process group, cannot cut a child's imports short with a traceback: launch.py alone stops
-    the children. Each child is in self.procs before a Ctrl-C can interrupt launch.py again."""
+    the children. SIGINT is blocked meanwhile too: Linux keeps a blocked signal pending even
+    while ignored, so a Ctrl-C that lands while a child starts reaches launch.py's own handler
+    once it is back, instead of being lost."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _names(pending: dict[Connection, mp.Process]) -> str:
