@@ -239,7 +239,10 @@ def test_make_installs_once_and_passes_args(tmp_path):
 
     def dry_run() -> str:
         cmd = ["make", "-n", "serve", f"PY={sys.executable}", "ARGS=--model /models/x --port 1"]
-        out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        # Under CI's own `make test` the inherited MAKEFLAGS/MAKELEVEL would add "Entering
+        # directory" lines: run it as a user does, from a shell.
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+        out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return out.stdout
 
