@@ -106,7 +106,7 @@ class KVManager:
     def _insert_and_free_duplicates(self, req: Req, row: torch.Tensor, n: int) -> int:
         """Insert tokens [0, n); returns how many the tree now holds (whole pages)."""
         slots = row[:n].clone()
-        already = self.tree_cache.insert(req.token_slice(0, n), slots)
+        already = self.tree_cache.insert(req.token_slice(0, n), slots).num_cached
         self.allocator.free(slots[req.prefix_len : already])
         return n // self.page_size * self.page_size
 
