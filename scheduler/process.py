@@ -28,7 +28,8 @@ from radixserve.protocol.internal import (
     TokenizedGenerateReq,
 )
 from radixserve.protocol.wire import FinishReason
-from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -105,7 +106,7 @@ class SchedulerProcess:
         """Everything queued now; when idle, first sleep until something arrives."""
         if block:
             self.recv_from_tokenizer.poll()
-        msgs = []
+        msgs: list[msgspec.Struct] = []
         while True:
             try:
                 data = self.recv_from_tokenizer.recv(zmq.NOBLOCK)

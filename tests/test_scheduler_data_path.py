@@ -1,0 +1,61 @@
+"""The data path's conversions read and never write. Real scheduler and pools, fake model worker."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+from fake_worker import reference_tokens
+from test_scheduler import gen, make_scheduler, prompt, run_to_completion, tokens_of
+
+from radixserve.model_worker.batch import ModelWorkerBatch
+
+
+def assert_same(a: object, b: object, where: str = "batch") -> None:
+    """Field by field, tensors by value (dtype and shape too), through nested dataclasses."""
+    if dataclasses.is_dataclass(a):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def test_converting_a_schedule_batch_twice_gives_equal_model_worker_batches() -> None:
+    """A mixed step (decodes, a prefill chunk, a fresh prompt; penalties, seeds, logprobs),
+    converted twice: equal ModelWorkerBatches, and no KV bookkeeping or request state moved."""
+    s = make_scheduler(chunk=48, budget=96)
+    rng = random.Random(7)
+    prompts = {f"r{i}": prompt(rng, n) for i, n in enumerate((12, 9, 150, 20))}
+    params = [
+        {"frequency_penalty": 0.5, "seed": 3},
+        {"temperature": 0.7, "top_k": 5},
+        {"repetition_penalty": 1.2},
+        {},
+    ]
+    for (rid, p), extra in zip(prompts.items(), params):
+        msg = gen(rid, p, 6, **extra)
+        msg.return_logprob, msg.top_logprobs_num = True, 2
+        s.add_request(msg)
+        s.step()
+    batch = s.get_next_batch_to_run()
+    assert batch is not None and batch.is_mixed and not all(batch.emits)
+    pool = s.kv.req_to_token_pool.req_to_token.clone()
+    state = [(r.num_computed_tokens, r.kv, r.seen, list(r.output_ids)) for r in batch.reqs]
+
+    first = batch.to_model_worker_batch(s.kv, s.sampling_rows)
+    second = batch.to_model_worker_batch(s.kv, s.sampling_rows)
+    assert isinstance(first, ModelWorkerBatch) and first.sampling.penalty_tokens is not None
+    assert_same(first, second)
+    assert torch.equal(s.kv.req_to_token_pool.req_to_token, pool)
+    assert state == [(r.num_computed_tokens, r.kv, r.seen, r.output_ids) for r in batch.reqs]
+
+    # The converted batch is the one that runs: the requests still say what they must.
+    s.process_batch_result(batch, s.worker.forward(first))
+    outs = run_to_completion(s)
+    for rid, p in prompts.items():
+        assert tokens_of(outs[rid]) == reference_tokens(p, 6), rid
