@@ -32,7 +32,7 @@ class SamplingBatchInfo:
     """Per-sequence sampling parameters, one row per sequence of the batch (CPU tensors), and the
     tokens penalties read: everything sampling needs, so the worker keeps no per-request state."""
 
-    temperatures: torch.Tensor  # float32 [B]; 0 means greedy
+    temperatures: torch.Tensor  # float32 [B]; below GREEDY_TEMPERATURE (sampler.py) greedy
     top_ps: torch.Tensor  # float32 [B]
     top_ks: torch.Tensor  # int64 [B]; -1 means off
     min_ps: torch.Tensor  # float32 [B]; 0 means off

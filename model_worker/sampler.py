@@ -15,6 +15,10 @@ import torch
 from radixserve.model_worker.batch import SampleOutput, SamplingBatchInfo
 from radixserve.model_worker.penalties import apply_penalties
 
+# A temperature below this is greedy, as in vLLM (its _SAMPLING_EPS) and SGLang: dividing the
+# logits by less can overflow float32 into infinities, whose softmax is NaN.
+GREEDY_TEMPERATURE = 1e-5
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
@@ -46,14 +50,16 @@ def sample_tokens(
 ) -> torch.Tensor:
     """(Penalised) logits float32 [B, V] -> token ids int64 [B] on logits' device.
 
-    Rows with temperature 0 take the argmax. top_k keeps the k likeliest tokens (-1: all);
-    top_p then keeps the smallest set of those whose renormalised probability reaches top_p;
-    min_p then drops tokens less likely than min_p times the likeliest one. Only the rows that
-    sample pay for any of it, and rows that filter draw among their candidates only.
+    Rows with a temperature below GREEDY_TEMPERATURE take the argmax. top_k keeps the k
+    likeliest tokens (-1: all); top_p then keeps the smallest set of those whose renormalised
+    probability reaches top_p; min_p then drops tokens less likely than min_p times the likeliest
+    one. Only the rows that sample pay for any of it, and rows that filter draw among their
+    candidates only.
     """
     device = logits.device
     tokens = logits.argmax(dim=-1)
-    sampling = (info.temperatures > 0).nonzero()[:, 0]  # CPU: decided without a device sync
+    # On the CPU: decided without a device sync.
+    sampling = (info.temperatures >= GREEDY_TEMPERATURE).nonzero()[:, 0]
     if sampling.numel() == 0:
         return tokens
     rows = _rows(info, sampling)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from radixserve.model_worker.batch import SamplingBatchInfo
+from radixserve.model_worker.sampler import GREEDY_TEMPERATURE
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
 
@@ -37,7 +38,8 @@ class SamplingRows:
             p.presence_penalty,
         )
         self.ints[row] = (p.top_k, p.seed or 0, req.top_logprobs_num)
-        self.flags[row] = (p.seed is not None, req.return_logprob, p.has_penalties, p.is_greedy)
+        greedy = p.is_greedy or p.temperature < GREEDY_TEMPERATURE
+        self.flags[row] = (p.seed is not None, req.return_logprob, p.has_penalties, greedy)
 
     def batch_info(
         self, reqs: list[Req], rows: torch.Tensor, output_index: torch.Tensor

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixserve.model_worker.batch import SamplingBatchInfo
-from radixserve.model_worker.sampler import Sampler, _filter, mix64
+from radixserve.model_worker.sampler import GREEDY_TEMPERATURE, Sampler, _filter, mix64
 from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
 
 VOCAB = 50
@@ -45,7 +45,7 @@ def make_info(batch_size: int, **fields: Any) -> SamplingBatchInfo:
     return SamplingBatchInfo(
         **t,
         penalty_tokens=penalty_tokens(np.array(rows), [seen[i] for i in rows]) if seen else None,
-        is_all_greedy=bool((t["temperatures"] <= 0).all()),
+        is_all_greedy=bool((t["temperatures"] < GREEDY_TEMPERATURE).all()),
         any_logprob=bool(t["return_logprob"].any()),
     )
 
@@ -300,3 +300,14 @@ def test_filter_on_a_large_vocabulary_keeps_the_reference_set(sharpness) -> None
         got = set(ids[row][kept].tolist())
         assert got == _reference_kept(probs[row], int(top_ks[row]), float(top_ps[row])), row
         assert torch.equal(values[row][kept], probs[row][ids[row][kept]])
+
+
+def test_a_tiny_temperature_is_greedy() -> None:
+    """Below 1e-5 a temperature means greedy, as in vLLM and SGLang: dividing logits by 1e-38
+    overflows float32, and the softmax of infinities is NaN."""
+    logits = random_logits(4, seed=6) * 10
+    logits[0, 7] = 40.0  # not the first column: a NaN row's argmax would be column 0
+    batch = make_info(4, temperatures=[1e-38, 1e-30, 1.0, 9e-6], seeded=[True, False, True, False])
+    for _ in range(5):
+        out = Sampler(CPU, seed=0)(logits, batch).next_token_ids
+        assert out[[0, 1, 3]].tolist() == logits[[0, 1, 3]].argmax(-1).tolist()

@@ -59,3 +59,16 @@ def test_converting_a_schedule_batch_twice_gives_equal_model_worker_batches() ->
     outs = run_to_completion(s)
     for rid, p in prompts.items():
         assert tokens_of(outs[rid]) == reference_tokens(p, 6), rid
+
+
+def test_a_tiny_temperature_makes_a_greedy_batch() -> None:
+    """Below 1e-5 a temperature is greedy (as vLLM and SGLang): the batch takes the argmax."""
+    s = make_scheduler()
+    s.add_request(gen("tiny", [1, 2, 3], 2, temperature=1e-38))
+    s.add_request(gen("small", [4, 5, 6], 2, temperature=9e-6))
+    s.add_request(gen("greedy", [7, 8, 9], 2, temperature=0.0))
+    s.step()
+    assert s.worker.batches[-1].sampling.is_all_greedy
+    s.add_request(gen("sampled", [1, 2], 2, temperature=1e-5))
+    s.step()
+    assert not s.worker.batches[-1].sampling.is_all_greedy
