@@ -43,7 +43,10 @@ class Req:
     seen: SeenTokens | None = None  # what its penalties read; None without penalties
     finished_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # outputs already handed to the detokenizer
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Prompt tokens whose KV came from the prefix cache, counted at its first admission: a
+    # recompute after a retraction finds its own KV there, which is no cache hit.
+    cached_tokens: int = 0
+    retracted: bool = False  # ever sent back to the waiting queue
 
     @property
     def num_tokens(self) -> int:

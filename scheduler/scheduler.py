@@ -192,6 +192,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.release(victim)
         victim.num_computed_tokens = 0
+        victim.retracted = True
         self.waiting.appendleft(victim)
         self.stats.num_retractions += 1
         if self.running:
@@ -223,9 +224,9 @@ class Scheduler:
             assert req.kv is not None
             self.sampling_rows.write(req.kv.row, req)
             self.running.append(req)
-            cached_prompt = min(req.kv.cached_len, len(req.origin_input_ids))
-            req.cached_tokens = max(req.cached_tokens, cached_prompt)
-            self.stats.cached_tokens += cached_prompt
+            if not req.retracted:  # a recompute finds its own KV cached: no hit
+                req.cached_tokens = min(req.kv.cached_len, len(req.origin_input_ids))
+                self.stats.cached_tokens += req.cached_tokens
         return admitted
 
     # ---- queries and bookkeeping -----------------------------------------------------------------

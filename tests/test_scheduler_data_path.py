@@ -1,4 +1,5 @@
-"""The data path's conversions read and never write. Real scheduler and pools, fake model worker."""
+"""The data path's conversions read and never write, and what a request reports is counted once.
+Real scheduler and pools, fake model worker."""
 
 from __future__ import annotations
 
@@ -59,6 +60,26 @@ def test_converting_a_schedule_batch_twice_gives_equal_model_worker_batches() ->
     outs = run_to_completion(s)
     for rid, p in prompts.items():
         assert tokens_of(outs[rid]) == reference_tokens(p, 6), rid
+
+
+def test_a_retracted_request_counts_its_cached_prompt_tokens_once() -> None:
+    """A recompute after a retraction finds its own KV in the tree, which is no cache hit: only
+    the shared system prompt is. Re-admissions used to count their prompt again (hit rates past
+    100% were possible)."""
+    rng = random.Random(3)
+    system = prompt(rng, 48)
+    prompts = {f"r{i}": system + prompt(rng, 40) for i in range(16)}
+    s = make_scheduler(pool=600, running=32, budget=256, chunk=128)
+    for rid, p in prompts.items():
+        s.add_request(gen(rid, p, 60))
+    outs = run_to_completion(s)
+    assert s.stats.num_retractions > 0
+    cached = {rid: o[-1].cached_tokens for rid, o in outs.items()}
+    assert max(cached.values()) == len(system)
+    assert s.stats.cached_tokens == sum(cached.values())
+    assert s.server_info().cache_hit_rate <= len(system) / (len(system) + 40)
+    for rid, p in prompts.items():
+        assert tokens_of(outs[rid]) == reference_tokens(p, 60), rid
 
 
 def test_a_tiny_temperature_makes_a_greedy_batch() -> None:
