@@ -82,7 +82,7 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     # The weights are dequantized now; without this, save_pretrained refuses a "quantized" model.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # typed as a submodule lookup
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(tmp)
