@@ -19,9 +19,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_total_tokens: int | None = None  # KV pool size in tokens; default from memory
     mem_fraction_static: float = 0.85  # GPU memory fraction for weights + KV pool
     max_running_requests: int | None = None
-    max_prefill_tokens: int = 16384  # token budget of one step
+    max_prefill_tokens: int = 16384  # token budget of one step, decodes included
     chunked_prefill_size: int = 2048  # prompt tokens computed in one step; -1: no chunking
-    page_size: int = 1  # radix cache granularity: prefixes are matched in whole pages
+    page_size: int = 1  # prefix-cache granularity only: the KV pool hands out single slots
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     random_seed: int = 0
@@ -37,7 +37,10 @@ _HELP = {
     "dtype": "auto | bfloat16 | float16 | float32",
     "device": "auto | cpu | cuda",
     "max_total_tokens": "KV cache size in tokens",
-    "max_prefill_tokens": "token budget of one scheduler step",
+    "max_prefill_tokens": "token budget of one scheduler step: its prompt tokens plus one per "
+    "decoding request (SGLang's count with --enable-mixed-chunk; here every step may mix)",
+    "page_size": "prefix-cache granularity in tokens: prefixes are matched, cached and evicted "
+    "in whole pages; the KV pool itself is not paged (slots are handed out one by one)",
     "chunked_prefill_size": "prompt tokens prefilled in one step, over all requests; a longer "
     "prompt is prefilled in chunks (-1: no chunking)",
     "schedule_policy": "fcfs | lpm (longest prefix match first)",
