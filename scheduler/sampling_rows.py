@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixserve.model_worker.batch import SamplingBatchInfo
+from radixserve.model_worker.batch import PenaltyTokens, SamplingBatchInfo
 from radixserve.model_worker.sampler import GREEDY_TEMPERATURE
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
@@ -52,12 +52,6 @@ class SamplingRows:
         seeded, return_logprob, _, _ = torch.from_numpy(flags)
         temperatures, top_ps, min_ps, rep, freq, pres = floats
         top_ks, seeds, top_logprobs_nums = ints
-        penalised = np.flatnonzero(flags[2])
-        seen: list[SeenTokens] = []
-        for i in penalised.tolist():
-            req_seen = reqs[i].seen
-            assert req_seen is not None, "a request with penalties has seen its prompt"
-            seen.append(req_seen)
         return SamplingBatchInfo(
             temperatures=temperatures,
             top_ps=top_ps,
@@ -71,7 +65,18 @@ class SamplingRows:
             output_index=output_index,
             top_logprobs_nums=top_logprobs_nums,
             return_logprob=return_logprob,
-            penalty_tokens=penalty_tokens(penalised, seen) if seen else None,
+            penalty_tokens=_penalty_tokens(reqs, flags[2]) if flags[2].any() else None,
             is_all_greedy=bool(flags[3].all()),
             any_logprob=bool(flags[1].any()),
         )
+
+
+def _penalty_tokens(reqs: list[Req], penalised: np.ndarray) -> PenaltyTokens:
+    """The seen tokens of the requests whose `penalised` flag is set, for the batch."""
+    indices = np.flatnonzero(penalised)
+    seen: list[SeenTokens] = []
+    for i in indices.tolist():
+        req_seen = reqs[i].seen
+        assert req_seen is not None, "a request with penalties has seen its prompt"
+        seen.append(req_seen)
+    return penalty_tokens(indices, seen)
