@@ -20,5 +20,11 @@ $(INSTALLED): pyproject.toml Makefile
 serve: install
 	$(PY) launch.py $(ARGS)
 
+# Lint, type-check, then the suite. mypy checks the packages by their import names through a link
+# named radixserve to the repository root (pyproject.toml's [tool.mypy] says why).
 test: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	mkdir -p build/mypy && ln -sfn "$(CURDIR)" build/mypy/radixserve
+	$(PY) -m mypy -p radixserve.protocol -p radixserve.scheduler -p radixserve.model_worker
 	$(PY) -m pytest -q

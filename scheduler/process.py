@@ -20,6 +20,8 @@ from radixserve.protocol.internal import (
     FlushCacheReq,
     HealthOut,
     HealthReq,
+    ModelInfoOut,
+    ModelInfoReq,
     ProcessReady,
     SchedulerInput,
     ServerInfoOut,
@@ -27,14 +29,16 @@ from radixserve.protocol.internal import (
     StopReq,
     TokenizedGenerateReq,
 )
-from radixserve.protocol.wire import FinishReason
-from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.protocol.wire import FinishReason, ModelInfoReply
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
 
 
-def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
+def build_scheduler(args: ServerArgs, model_path: str) -> tuple[Scheduler, ModelInfoReply]:
+    """The scheduler with its model worker, and the model as it serves it (for model_info)."""
     device = resolve_device(args.device)
     checkpoint_dtype = ModelConfig.from_dir(model_path).dtype
     runner = ModelRunner(
@@ -78,12 +82,19 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
         context_len,
         config.chunked_prefill_size,
     )
-    return Scheduler(config, runner)
+    info = ModelInfoReply(
+        model_path=model_path,
+        architecture=model.architecture,
+        context_length=context_len,
+        vocab_size=model.vocab_size,
+        dtype=str(runner.dtype).removeprefix("torch."),
+    )
+    return Scheduler(config, runner), info
 
 
 class SchedulerProcess:
     def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str):
-        self.scheduler = build_scheduler(args, model_path)
+        self.scheduler, self.model_info = build_scheduler(args, model_path)
         ctx = zmq.Context()
         self.recv_from_tokenizer = transport.bind_pull(ctx, ipc_dir, transport.SCHEDULER_INPUT)
         self.send_to_detokenizer = transport.connect_push(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
@@ -107,7 +118,7 @@ class SchedulerProcess:
         """Everything queued now; when idle, first sleep until something arrives."""
         if block:
             self.recv_from_tokenizer.poll()
-        msgs = []
+        msgs: list[msgspec.Struct] = []
         while True:
             try:
                 data = self.recv_from_tokenizer.recv(zmq.NOBLOCK)
@@ -134,6 +145,8 @@ class SchedulerProcess:
                 self._reply(FlushCacheOut(qid, ok, message))
             case HealthReq(query_id=qid):
                 self._reply(HealthOut(qid))
+            case ModelInfoReq(query_id=qid):
+                self._reply(ModelInfoOut(qid, self.model_info))
 
     def stream_output(self) -> None:
         outbox = self.scheduler.outbox

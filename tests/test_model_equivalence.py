@@ -16,9 +16,10 @@ import torch
 from test_sampler import make_info
 from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
-from radixserve.model_worker.batch import ModelWorkerBatch, PenaltyInit
+from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.parallel import TPGroup
+from radixserve.scheduler.seen_tokens import SeenTokens
 
 TOLERANCE = 1e-4
 POOL_TOKENS = 200
@@ -133,8 +134,8 @@ def test_sharded_checkpoint_and_greedy_forward(
     tiny_model, device, repetition_penalty: float
 ) -> None:
     """Greedy decoding through ModelRunner.forward equals transformers', also with its
-    repetition penalty. The prompt prefills in two chunks: the first one's sample is discarded,
-    so it must not count as an output token."""
+    repetition penalty, reading the seen tokens the batch carries. The prompt prefills in two
+    chunks: the first one's sample is discarded."""
     path: Path = tiny_model("qwen3", max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -169,10 +170,8 @@ def test_sharded_checkpoint_and_greedy_forward(
                 1,
                 temperatures=[0.0],
                 repetition_penalties=[repetition_penalty],
-                emits_token=[emits],
                 output_index=[len(out)],
-                req_rows=[3],
-                penalty_inits=[PenaltyInit(0, prompt, [])] if s.computed == 0 else [],
+                seen={0: SeenTokens.of(prompt, out)},  # as the scheduler keeps it
             ),
         )
         token = runner.forward(batch).next_token_ids

@@ -17,7 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
+from radixserve.model_worker.model_config import ModelConfig
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
     AbortReq,
@@ -27,6 +27,8 @@ from radixserve.protocol.internal import (
     HealthOut,
     HealthReq,
     Logprob,
+    ModelInfoOut,
+    ModelInfoReq,
     ReqError,
     ReqStrOut,
     ServerInfoOut,
@@ -46,7 +48,6 @@ from radixserve.protocol.wire import (
     HealthReply,
     HealthRequest,
     MetaInfo,
-    ModelInfoReply,
     ModelInfoRequest,
     OutputReply,
     ServerInfoRequest,
@@ -83,13 +84,7 @@ class ReqState:
 class TokenizerManager:
     def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str):
         self.args = args
-        self.model_path = model_path
-        self.model_config = ModelConfig.from_dir(model_path)
-        # As the scheduler resolves it, for model_info.
-        self.dtype = resolve_dtype(
-            args.dtype, resolve_device(args.device), checkpoint_dtype=self.model_config.dtype
-        )
-        self.tokenization = Tokenization(model_path, self.model_config.vocab_size)
+        self.tokenization = Tokenization(model_path, ModelConfig.from_dir(model_path).vocab_size)
         self.sampling_defaults = load_sampling_defaults(model_path, args.sampling_defaults)
         ctx = zmq.asyncio.Context()
         self.router = ctx.socket(zmq.ROUTER)
@@ -144,7 +139,7 @@ class TokenizerManager:
                 for sub_rid in self.completions[rid]:
                     await self.send_to_scheduler.send(self.codec.encode(AbortReq(sub_rid)))
             case ModelInfoRequest():
-                await self.reply(envelope, self.model_info())
+                await self.forward_query(envelope, ModelInfoReq)
             case HealthRequest():
                 await self.forward_query(envelope, HealthReq)
             case ServerInfoRequest():
@@ -185,16 +180,6 @@ class TokenizerManager:
         self.pending_queries[qid] = envelope
         await self.send_to_scheduler.send(self.codec.encode(query_type(qid)))
 
-    def model_info(self) -> ModelInfoReply:
-        cfg = self.model_config
-        return ModelInfoReply(
-            model_path=self.model_path,
-            architecture=cfg.architecture,
-            context_length=self.args.context_length or cfg.max_position_embeddings,
-            vocab_size=cfg.vocab_size,
-            dtype=str(self.dtype).removeprefix("torch."),
-        )
-
     # ---- server -> client ----------------------------------------------------------------------
 
     async def output_loop(self) -> None:
@@ -212,6 +197,8 @@ class TokenizerManager:
                     await self.answer_query(qid, FlushCacheReply(ok, message))
                 case HealthOut(query_id=qid):
                     await self.answer_query(qid, HealthReply())
+                case ModelInfoOut(query_id=qid, info=info):
+                    await self.answer_query(qid, info)
 
     async def handle_output(self, out: ReqStrOut) -> None:
         state = self.rid_states.get(out.rid)
