@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -68,9 +69,10 @@ class Server:
                 daemon=True,
                 args=(self.args, self.model_path, self.ipc_dir, writer, heartbeat),
             )
-            proc.start()
+            with _sigint_ignored():
+                proc.start()
+                self.procs.append(proc)
             writer.close()
-            self.procs.append(proc)
             self.heartbeats.append(heartbeat)
             readers[reader] = proc
         self._wait_ready(readers)
@@ -124,7 +126,7 @@ class Server:
 
 # Each child's entry point imports its process module in the child. Every spawned child imports
 # this module again (as its __main__), and only the scheduler needs torch and the model code:
-# imported here, they cost the launcher and each child ~5 s of CPU.
+# imported here, they would cost the launcher and each child ~5 s of CPU (and `--help` seconds).
 
 
 def _run_scheduler(*args: Any) -> None:
@@ -159,6 +161,23 @@ def _warn_if_reachable(args: ServerArgs) -> None:
         )
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """A child exec'd while SIGINT is ignored starts with it ignored (Python then installs no
+    KeyboardInterrupt handler), so that a Ctrl-C in the terminal, which reaches the whole
+    process group, cannot cut a child's imports short with a traceback: launch.py alone stops
+    the children. SIGINT is blocked meanwhile too: Linux keeps a blocked signal pending even
+    while ignored, so a Ctrl-C that lands while a child starts reaches launch.py's own handler
+    once it is back, instead of being lost."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _names(pending: dict[Connection, mp.Process]) -> str:
     return ", ".join(p.name for p in pending.values())
 
@@ -171,14 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.watchdog_timeout < 2 * HEARTBEAT_INTERVAL_S:
         logger.error("--watchdog-timeout must be at least %gs", 2 * HEARTBEAT_INTERVAL_S)
         return 2
+    signal.signal(signal.SIGINT, _raise_shutdown)
+    signal.signal(signal.SIGTERM, _raise_shutdown)
     try:
-        model_path = resolve_model_path(args.model)
+        model_path = resolve_model_path(args.model)  # may download or convert: interruptible
     except ModelNotFound as e:
         logger.error("%s", e)
         return 2
+    except Shutdown as sig:
+        logger.info("%s received; shutting down", sig)
+        return 0
     _warn_if_reachable(args)
-    signal.signal(signal.SIGINT, _raise_shutdown)
-    signal.signal(signal.SIGTERM, _raise_shutdown)
     server = Server(args, model_path)
     logger.info("IPC directory %s", server.ipc_dir)
     try:

@@ -52,6 +52,7 @@ def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1
     # whole process group; launch.py alone decides how to stop us, so it is ignored here.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by launch.py's start
     # Every process imports torch (transformers does); its default pool would compete for the
     # cores with the model.
     import torch

@@ -1,4 +1,7 @@
-"""The server's one typed configuration, parsed once by launch.py and handed to every process."""
+"""The server's one typed configuration, parsed once by launch.py and handed to every process.
+
+Importing this module must stay cheap: `launch.py --help` parses with it before anything heavy.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import typing
 
 import msgspec
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+from radixserve.model_worker.model_source import DEFAULT_MODEL
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -20,13 +23,16 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_total_tokens: int | None = None  # KV pool size in tokens; default from memory
     mem_fraction_static: float = 0.85  # GPU memory fraction for weights + KV pool
     max_running_requests: int | None = None
-    max_prefill_tokens: int = 16384  # token budget of one step
+    max_prefill_tokens: int = 16384  # token budget of one step, decodes included
     chunked_prefill_size: int = 2048  # prompt tokens computed in one step; -1: no chunking
-    page_size: int = 1  # radix cache granularity: prefixes are matched in whole pages
+    page_size: int = 1  # prefix-cache granularity only: the KV pool hands out single slots
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     random_seed: int = 0
-    torch_threads: int | None = None  # model process threads; default: all cores
+    sampling_defaults: str = "model"  # model: generation_config.json fills what a request omits
+    num_threads: int | None = None  # model process threads; default: all cores
+    attention_backend: str = "auto"  # auto | torch_native | cpu_attn
+    quantization: str | None = None  # None | int8
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
@@ -39,15 +45,43 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "info"
 
 
+# Every flag's help. A field whose default is None says here what it derives instead.
 _HELP = {
-    "model": "local directory, Hugging Face id, or the bundled default",
-    "dtype": "auto | bfloat16 | float16 | float32",
-    "device": "auto | cpu | cuda",
-    "max_total_tokens": "KV cache size in tokens",
-    "max_prefill_tokens": "token budget of one scheduler step",
+    "model": "a local model directory (config.json, safetensors, tokenizer), a Hugging Face Hub "
+    "id (the Hub when reachable, else the offline HF cache), or the bundled default model",
+    "host": "address the client endpoint (a ZMQ ROUTER) binds",
+    "port": "TCP port of the client endpoint",
+    "dtype": "weights and KV cache dtype; auto: float32 on CPUs without native bf16, bfloat16 on "
+    "others, the checkpoint's half precision on GPU",
+    "device": "auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N",
+    "context_length": "longest prompt + output in tokens (default: the model's "
+    "max_position_embeddings)",
+    "max_total_tokens": "KV cache size in tokens (default: what fits in --mem-fraction-static of "
+    "the GPU; on CPU 10%% of RAM, at most 262144 tokens)",
+    "mem_fraction_static": "fraction of GPU memory for the weights and the KV cache",
+    "max_running_requests": "cap on requests running at once (default: 256, or fewer when the "
+    "KV cache or --max-prefill-tokens is smaller)",
+    "max_prefill_tokens": "token budget of one scheduler step: its prompt tokens plus one per "
+    "decoding request (SGLang's count with --enable-mixed-chunk; here every step may mix)",
     "chunked_prefill_size": "prompt tokens prefilled in one step, over all requests; a longer "
-    "prompt is prefilled in chunks (-1: no chunking)",
-    "schedule_policy": "fcfs | lpm (longest prefix match first)",
+    "prompt is prefilled in chunks while decodes go on (-1: no chunking)",
+    "page_size": "prefix-cache granularity in tokens: prefixes are matched, cached and evicted "
+    "in whole pages; the KV pool itself is not paged (slots are handed out one by one)",
+    "disable_radix_cache": "turn off prefix sharing between requests",
+    "schedule_policy": "fcfs: first come first served; lpm: longest cached prefix first",
+    "random_seed": "seed of the sampler for requests without their own seed",
+    # SGLang's flag and values; vLLM's --generation-config auto|vllm does the same.
+    "sampling_defaults": "model: temperature, top_p, top_k, min_p and repetition_penalty that a "
+    "request leaves out take the model's generation_config.json values; openai: SGLang's "
+    "constant defaults (temperature 1.0, top_p 1.0, top_k -1, min_p 0.0, "
+    "repetition_penalty 1.0). A value a request sends always wins",
+    "num_threads": "CPU threads of the model process (default: all cores); the others take one",
+    "attention_backend": "cpu_attn: the CPU extension (paged attention reading the KV pool in "
+    "place, fused small ops), float32 on the CPU; torch_native: eager torch, the reference; auto: "
+    "cpu_attn where it applies and builds, else torch_native",
+    "quantization": "int8: int8 weights and per-token int8 activations (w8a8) for every linear "
+    "layer and the LM head, on the CPU (default: none)",
+    "log_interval": "decode steps between two throughput log lines",
     "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
     "max_queued_requests": "requests that may wait for admission; past it, new ones get an "
     "`overloaded` error",
@@ -59,6 +93,18 @@ _HELP = {
     "shutdown_timeout": "on SIGTERM, seconds that requests in flight may take to finish before "
     "they are aborted (0: abort at once)",
     "log_requests": "log one line per finished, aborted or failed request",
+    "check_invariants": "verify the scheduler's invariants after every step (slow; for tests)",
+    "log_level": "logging level of every server process",
+}
+
+# Flags whose values form a closed set: argparse refuses others before anything starts.
+_CHOICES = {
+    "dtype": ("auto", "bfloat16", "float16", "float32"),
+    "schedule_policy": ("fcfs", "lpm"),
+    "sampling_defaults": ("model", "openai"),
+    "attention_backend": ("auto", "torch_native", "cpu_attn"),
+    "quantization": ("int8",),
+    "log_level": ("debug", "info", "warning", "error"),
 }
 
 
@@ -67,16 +113,32 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     for field in msgspec.structs.fields(ServerArgs):
         flag = "--" + field.name.replace("_", "-")
         default = field.default
+        help_text = _HELP.get(field.name)  # None when missing: tests/test_launch.py catches it
+        if help_text is not None and default is not None:
+            help_text += " (default: off)" if default is False else " (default: %(default)s)"
         if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", help=_HELP.get(field.name))
+            parser.add_argument(flag, action="store_true", help=help_text)
             continue
         # An optional field's None means "derive it" (or "off"); its flag takes the other type.
         kind = type(default) if default is not None else typing.get_args(field.type)[0]
-        parser.add_argument(flag, type=kind, default=default, help=_HELP.get(field.name))
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            choices=_CHOICES.get(field.name),
+            help=help_text,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixserve",
+        description="Serve an LLM: clients send msgpack requests over ZMQ to tcp://HOST:PORT. "
+        "Ctrl-C or SIGTERM stops every process.",
+    )
+    add_cli_args(parser)
+    return parser
 
 
 def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="radixserve", description="Serve an LLM over ZMQ.")
-    add_cli_args(parser)
-    ns = parser.parse_args(argv)
-    return ServerArgs(**vars(ns))
+    return ServerArgs(**vars(build_parser().parse_args(argv)))

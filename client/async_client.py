@@ -14,11 +14,16 @@ import zmq.asyncio
 
 from radixserve.client.messages import (
     DEFAULT_ADDRESS,
+    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_TIMEOUT,
+    PreparedGenerate,
     ProtocolError,
     WireCodec,
     check_output,
-    generate_request,
+    connect_dealer,
+    no_server,
+    prepare_generate,
     reply_rid,
     require_one_completion,
     server_error,
@@ -29,7 +34,6 @@ from radixserve.protocol.wire import (
     ErrorReply,
     FlushCacheReply,
     FlushCacheRequest,
-    GenerateRequest,
     HealthReply,
     HealthRequest,
     ModelInfoReply,
@@ -54,23 +58,26 @@ class AsyncClient:
     a rid to the oldest control call, else the oldest generation not yet answered.
 
     `timeout` bounds each wait for a reply, in seconds (None: wait forever); a generation that
-    times out, or whose stream is closed early, is aborted on the server. Use one event loop.
+    times out, or whose stream is closed early, is aborted on the server. A call made while no
+    server is connected raises ConnectionError ("no server at ...") after `connect_timeout`
+    seconds. A refused request raises ServerError, whether the server or the client refused it.
+    Use one event loop.
     """
 
     def __init__(
         self,
         address: str = DEFAULT_ADDRESS,
         *,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     ):
         self.address = address
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._codec = WireCodec(max_reply_bytes)
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._sock = connect_dealer(self._ctx, address, connect_timeout)
         self._calls: dict[str, asyncio.Queue[ServerReply | BaseException]] = {}
         self._unanswered: dict[str, None] = {}  # rids still waiting for a first reply, oldest first
         self._controls: deque[tuple[type, asyncio.Future[ServerReply]]] = deque()
@@ -101,11 +108,11 @@ class AsyncClient:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
     ) -> OutputReply:
-        request = generate_request(
+        prepared = prepare_generate(
             text, input_ids, messages, sampling_params, rid, False, return_logprob, top_logprobs_num
         )
-        require_one_completion(request)
-        outputs = self._outputs(request)
+        require_one_completion(prepared.request)
+        outputs = self._outputs(prepared)
         try:
             return await anext(outputs)
         finally:
@@ -127,14 +134,14 @@ class AsyncClient:
         Leaving the loop early aborts the request once the iterator is closed: wrap it in
         `contextlib.aclosing` to close it at once.
         """
-        request = generate_request(
+        prepared = prepare_generate(
             text, input_ids, messages, sampling_params, rid, True, return_logprob, top_logprobs_num
         )
-        return self._outputs(request)
+        return self._outputs(prepared)
 
     async def abort(self, rid: str) -> None:
         """Asks the server to stop `rid`; its stream then ends with finish_reason "abort"."""
-        await self._send(AbortRequest(rid=rid))
+        await self._send(self._codec.encode(AbortRequest(rid=rid)))
 
     async def health(self) -> HealthReply:
         return await self._control(HealthRequest(), HealthReply)
@@ -148,7 +155,8 @@ class AsyncClient:
     async def flush_cache(self) -> FlushCacheReply:
         return await self._control(FlushCacheRequest(), FlushCacheReply)
 
-    async def _outputs(self, request: GenerateRequest) -> AsyncGenerator[OutputReply, None]:
+    async def _outputs(self, prepared: PreparedGenerate) -> AsyncGenerator[OutputReply, None]:
+        request = prepared.request
         rid = request.rid
         assert rid is not None
         if rid in self._calls:
@@ -159,7 +167,7 @@ class AsyncClient:
         self._unanswered[rid] = None
         left = request.sampling_params.n  # each of the n completions ends with its own finished
         try:
-            await self._send(request)
+            await self._send(prepared.payload)
             while left:
                 reply = await self._wait(queue.get())
                 if isinstance(reply, BaseException):
@@ -173,7 +181,8 @@ class AsyncClient:
             del self._calls[rid]
             self._unanswered.pop(rid, None)
             if left and not self._sock.closed:
-                await self._send(AbortRequest(rid=rid))
+                # Best effort, never waiting: with no server there is nothing to abort.
+                await self._send(self._codec.encode(AbortRequest(rid=rid)), wait=False)
 
     async def _control(self, request: ClientRequest, reply_type: type[R]) -> R:
         self._start_reader()
@@ -181,7 +190,7 @@ class AsyncClient:
         entry = (reply_type, waiter)
         self._controls.append(entry)
         try:
-            await self._send(request)
+            await self._send(self._codec.encode(request))
             reply = await self._wait(waiter)
         finally:
             if entry in self._controls:
@@ -244,5 +253,9 @@ class AsyncClient:
         except asyncio.TimeoutError:
             raise TimeoutError(f"no reply from {self.address} within {self.timeout} s") from None
 
-    async def _send(self, request: ClientRequest) -> None:
-        await self._sock.send(self._codec.encode(request))
+    async def _send(self, frame: bytes, *, wait: bool = True) -> None:
+        try:
+            await self._sock.send(frame, 0 if wait else zmq.NOBLOCK)
+        except zmq.Again:
+            if wait:
+                raise no_server(self.address, self.connect_timeout) from None

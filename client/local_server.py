@@ -34,6 +34,10 @@ class LaunchedServer:
     address: str
     log_path: Path
 
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -74,7 +78,7 @@ def launched_server(
         )
     server = LaunchedServer(proc, f"tcp://127.0.0.1:{port}", log_path)
     try:
-        _wait_healthy(server, start_timeout)
+        wait_healthy(server, start_timeout)
         yield server
     finally:
         if proc.poll() is None:
@@ -87,16 +91,18 @@ def launched_server(
         os.unlink(log_path)
 
 
-def _wait_healthy(server: LaunchedServer, timeout: float) -> None:
+def wait_healthy(server: LaunchedServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    with Client(server.address, timeout=2) as client:
+    # A send waits for the server to bind, and goes the moment it does; the short timeouts are
+    # how often a server that died while starting is noticed.
+    with Client(server.address, timeout=2, connect_timeout=1) as client:
         while time.monotonic() < deadline:
             if server.proc.poll() is not None:
                 raise RuntimeError(f"server exited while starting:\n{server.log()[-4000:]}")
             try:
                 client.health()
                 return
-            except TimeoutError:
+            except (TimeoutError, ConnectionError):
                 continue
     raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()[-4000:]}")
 

@@ -12,10 +12,15 @@ import zmq
 
 from radixserve.client.messages import (
     DEFAULT_ADDRESS,
+    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_TIMEOUT,
+    PreparedGenerate,
     WireCodec,
     check_output,
-    generate_request,
+    connect_dealer,
+    no_server,
+    prepare_generate,
     reply_rid,
     require_one_completion,
     server_error,
@@ -26,7 +31,6 @@ from radixserve.protocol.wire import (
     ErrorReply,
     FlushCacheReply,
     FlushCacheRequest,
-    GenerateRequest,
     HealthReply,
     HealthRequest,
     ModelInfoReply,
@@ -45,23 +49,25 @@ class Client:
 
     Several stream() iterators may be open at once: a reply for one is kept until that iterator
     asks for it. `timeout` bounds each wait for a reply, in seconds (None: wait forever); a
-    generation that times out is aborted on the server.
+    generation that times out is aborted on the server. A call made while no server is
+    connected raises ConnectionError ("no server at ...") after `connect_timeout` seconds. A
+    refused request raises ServerError, whether the server or the client refused it.
     """
 
     def __init__(
         self,
         address: str = DEFAULT_ADDRESS,
         *,
-        timeout: float | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     ):
         self.address = address
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self._codec = WireCodec(max_reply_bytes)
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._sock = connect_dealer(self._ctx, address, connect_timeout)
         self._in_flight: dict[str, deque[ServerReply]] = {}  # rid -> replies not yet taken
 
     def __enter__(self) -> Client:
@@ -85,11 +91,11 @@ class Client:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
     ) -> OutputReply:
-        request = generate_request(
+        prepared = prepare_generate(
             text, input_ids, messages, sampling_params, rid, False, return_logprob, top_logprobs_num
         )
-        require_one_completion(request)
-        outputs = self._start(request)
+        require_one_completion(prepared.request)
+        outputs = self._start(prepared)
         try:
             return next(outputs)
         finally:
@@ -107,14 +113,14 @@ class Client:
         top_logprobs_num: int = 0,
     ) -> Generator[OutputReply, None, None]:
         """Chunks of new text as they come; closing the iterator early aborts the request."""
-        request = generate_request(
+        prepared = prepare_generate(
             text, input_ids, messages, sampling_params, rid, True, return_logprob, top_logprobs_num
         )
-        return self._start(request)
+        return self._start(prepared)
 
     def abort(self, rid: str) -> None:
         """Asks the server to stop `rid`; its stream then ends with finish_reason "abort"."""
-        self._send(AbortRequest(rid=rid))
+        self._send(self._codec.encode(AbortRequest(rid=rid)))
 
     def health(self) -> HealthReply:
         return self._control(HealthRequest(), HealthReply)
@@ -128,12 +134,13 @@ class Client:
     def flush_cache(self) -> FlushCacheReply:
         return self._control(FlushCacheRequest(), FlushCacheReply)
 
-    def _start(self, request: GenerateRequest) -> Generator[OutputReply, None, None]:
+    def _start(self, prepared: PreparedGenerate) -> Generator[OutputReply, None, None]:
+        request = prepared.request
         assert request.rid is not None
         if request.rid in self._in_flight:
             raise ValueError(f"rid {request.rid!r} is already in flight")
+        self._send(prepared.payload)
         self._in_flight[request.rid] = deque()
-        self._send(request)
         return self._outputs(request.rid, request.sampling_params.n)
 
     def _outputs(self, rid: str, completions: int) -> Generator[OutputReply, None, None]:
@@ -149,7 +156,8 @@ class Client:
         finally:
             del self._in_flight[rid]
             if left and not self._sock.closed:
-                self.abort(rid)
+                # Best effort, never waiting: with no server there is nothing to abort.
+                self._send(self._codec.encode(AbortRequest(rid=rid)), wait=False)
 
     def _next_for(self, rid: str) -> ServerReply:
         queue = self._in_flight[rid]
@@ -162,7 +170,7 @@ class Client:
         return queue.popleft()
 
     def _control(self, request: ClientRequest, reply_type: type[R]) -> R:
-        self._send(request)
+        self._send(self._codec.encode(request))
         deadline = self._deadline()
         while True:
             reply = self._receive(deadline)
@@ -188,5 +196,9 @@ class Client:
     def _deadline(self) -> float | None:
         return None if self.timeout is None else time.monotonic() + self.timeout
 
-    def _send(self, request: ClientRequest) -> None:
-        self._sock.send(self._codec.encode(request))
+    def _send(self, frame: bytes, *, wait: bool = True) -> None:
+        try:
+            self._sock.send(frame, 0 if wait else zmq.NOBLOCK)
+        except zmq.Again:
+            if wait:
+                raise no_server(self.address, self.connect_timeout) from None

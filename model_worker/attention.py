@@ -1,8 +1,8 @@
 """Attention backends over the paged KV pool, behind one small interface.
 
 `TorchNativeBackend` runs anywhere torch runs (CPU and CUDA) on
-`torch.nn.functional.scaled_dot_product_attention`; faster backends implement the same two
-methods and are added to `create_attention_backend`.
+`torch.nn.functional.scaled_dot_product_attention`, and is the reference; faster backends
+implement the same two methods (`cpu_attention.py`) and are chosen in `kernel_selection.py`.
 """
 
 from __future__ import annotations
@@ -31,14 +31,6 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
         """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] -> [T, heads, head_dim]."""
-
-
-def create_attention_backend(name: str, num_heads: int, num_kv_heads: int) -> AttentionBackend:
-    """A backend for a model with `num_heads` query and `num_kv_heads` KV heads on this rank."""
-    backends = {"torch_native": TorchNativeBackend}
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(backends)}")
-    return backends[name](num_heads, num_kv_heads)
 
 
 @dataclass(slots=True)

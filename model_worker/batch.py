@@ -18,20 +18,21 @@ import torch
 
 
 @dataclass(slots=True)
-class PenaltyInit:
-    """A sequence whose penalty state the worker (re)builds before sampling it: its first step in
-    a ReqToTokenPool row (just admitted, or recomputed after a retraction)."""
+class PenaltyTokens:
+    """The tokens the penalised sequences of a batch have seen (prompt and outputs), one entry
+    per (sequence, distinct token), flat over those sequences: no padding to the longest."""
 
-    batch_index: int
-    prompt_ids: list[int]
-    output_ids: list[int]  # outputs so far: non-empty only for a recompute
+    batch_rows: torch.Tensor  # int64 [S]: the sequence of each entry
+    token_ids: torch.Tensor  # int64 [S]: distinct within a sequence
+    output_counts: torch.Tensor  # int32 [S]: occurrences in its outputs, 0 for prompt-only
 
 
 @dataclass(slots=True)
 class SamplingBatchInfo:
-    """Per-sequence sampling parameters, one row per sequence of the batch (CPU tensors)."""
+    """Per-sequence sampling parameters, one row per sequence of the batch (CPU tensors), and the
+    tokens penalties read: everything sampling needs, so the worker keeps no per-request state."""
 
-    temperatures: torch.Tensor  # float32 [B]; 0 means greedy
+    temperatures: torch.Tensor  # float32 [B]; below GREEDY_TEMPERATURE (sampler.py) greedy
     top_ps: torch.Tensor  # float32 [B]
     top_ks: torch.Tensor  # int64 [B]; -1 means off
     min_ps: torch.Tensor  # float32 [B]; 0 means off
@@ -41,14 +42,15 @@ class SamplingBatchInfo:
     seeds: torch.Tensor  # int64 [B]; meaningful where `seeded`
     seeded: torch.Tensor  # bool [B]
     output_index: torch.Tensor  # int64 [B]: which output token of its request each row samples
-    req_rows: torch.Tensor  # int64 [B]: the request's ReqToTokenPool row, keys penalty state
-    emits_token: torch.Tensor  # bool [B]: False for a prefill chunk, whose sample is discarded
     top_logprobs_nums: torch.Tensor  # int64 [B]; meaningful where `return_logprob`
     return_logprob: torch.Tensor  # bool [B]
-    penalty_inits: list[PenaltyInit]
+    penalty_tokens: PenaltyTokens | None  # None: no sequence has a penalty
     is_all_greedy: bool  # no row samples: argmax, unless penalties change the logits
-    has_penalties: bool
     any_logprob: bool
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.penalty_tokens is not None
 
 
 @dataclass(slots=True)

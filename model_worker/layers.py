@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.model_worker.fused_ops import TorchOps
 from radixserve.model_worker.model_config import RopeConfig
 from radixserve.model_worker.parallel import TPGroup
+from radixserve.model_worker.quantization import Int8Weight
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -40,16 +42,19 @@ def _check_shape(expected: Sequence[int], got: Sequence[int]) -> None:
 
 
 class RMSNorm(LoadableModule):
-    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, dim: int, eps: float, *, ops: TorchOps, dtype: torch.dtype, device: torch.device
+    ):
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = _param(dim, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The variance is taken in float32 whatever the model dtype, as the reference models do.
-        x32 = x.float()
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return normed.mul_(self.weight)  # a fresh tensor in every dtype: no second temporary
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm(x); with a residual: residual += x in place, then rms_norm(residual)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding:
@@ -59,19 +64,13 @@ class RotaryEmbedding:
         self.inv_freq = _inv_freq(head_dim, rope).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin [T, 1, head_dim / 2] for the batch's positions, once per forward.
+        """cos and sin [T, head_dim / 2] for the batch's positions, once per forward.
 
         Computed per forward rather than cached for every position: it costs T * head_dim / 2
         multiplies shared by all layers, and a max_position_embeddings cache can be 64 MB.
         """
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by the angles of its token's position."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -114,10 +113,12 @@ class ColumnParallelLinear(LoadableModule):
         *,
         bias: bool,
         tp: TPGroup,
+        ops: TorchOps,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
+        self.ops = ops
         self.num_pieces = len(output_sizes)
         self.output_sizes = tuple(output_sizes)
         self.local_sizes = tuple(tp.shard(n, "output size")[1] for n in output_sizes)
@@ -127,15 +128,10 @@ class ColumnParallelLinear(LoadableModule):
         self.bias = _param(local_out, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
-    def forward_pieces(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """One matmul per piece, on its rows of the fused weight: each output is contiguous,
-        where splitting forward's output gives views strided by the fused width."""
-        sizes = self.local_sizes
-        weights = self.weight.split(sizes)
-        biases = [None] * self.num_pieces if self.bias is None else self.bias.split(sizes)
-        return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    def quantize_int8(self) -> None:
+        _quantize_weight(self)
 
     def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
         param = getattr(self, name)
@@ -156,20 +152,25 @@ class RowParallelLinear(LoadableModule):
         *,
         bias: bool,
         tp: TPGroup,
+        ops: TorchOps,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
         self.tp = tp
+        self.ops = ops
         self.input_size = input_size
         _, local_in = tp.shard(input_size, "input size")
         self.weight = _param(output_size, local_in, dtype=dtype, device=device)
         self.bias = _param(output_size, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.ops.linear(x, self.weight, None))
         # Added after the sum, or every rank would add it once.
         return y + self.bias if self.bias is not None else y
+
+    def quantize_int8(self) -> None:
+        _quantize_weight(self)
 
     def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
         if name == "bias":
@@ -194,15 +195,19 @@ class VocabParallelEmbedding(LoadableModule):
         hidden_size: int,
         *,
         tp: TPGroup,
+        ops: TorchOps,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
         self.tp = tp
+        self.ops = ops
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.rows_per_rank
         self.weight = _param(self.rows_per_rank, hidden_size, dtype=dtype, device=device)
+        # The LM head's own copy once quantized; the embedding lookup keeps `weight`.
+        self.head_weight: Int8Weight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -215,11 +220,25 @@ class VocabParallelEmbedding(LoadableModule):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size], on every rank."""
-        logits = self.tp.all_gather(F.linear(hidden, self.weight), dim=-1)
+        weight = self.weight if self.head_weight is None else self.head_weight
+        logits = self.tp.all_gather(self.ops.linear(hidden, weight, None), dim=-1)
         return logits[:, : self.vocab_size].float()
+
+    def quantize_int8(self) -> None:
+        """Quantize its use as the LM head."""
+        self.head_weight = Int8Weight(self.weight)
 
     def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
         _check_shape((self.vocab_size, self.weight.shape[1]), loaded.shape)
         rows = loaded[self.vocab_start : self.vocab_start + self.rows_per_rank]
         self.weight.zero_()
         self.weight[: rows.shape[0]].copy_(rows)
+
+
+def _quantize_weight(layer: nn.Module) -> None:
+    # The float weight is dropped: the int8 copy replaces it in forward. (nn.Module types its
+    # attributes as tensors or modules, and this one is neither.)
+    float_weight = layer.weight
+    assert isinstance(float_weight, torch.Tensor)
+    del layer.weight
+    layer.weight = Int8Weight(float_weight)  # type: ignore[assignment]

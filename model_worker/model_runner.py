@@ -7,14 +7,15 @@ from pathlib import Path
 
 import torch
 
-from radixserve.model_worker.attention import create_attention_backend
 from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
 from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.kernel_selection import select_kernels
 from radixserve.model_worker.kv_pool import TokenToKVPool
 from radixserve.model_worker.loader import load_weights
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.models import get_model_class
 from radixserve.model_worker.parallel import TPGroup
+from radixserve.model_worker.quantization import check_quantization
 from radixserve.model_worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -34,18 +35,30 @@ class ModelRunner:
         mem_fraction_static: float,
         tp: TPGroup,
         seed: int,
-        attention_backend: str = "torch_native",
+        attention_backend: str = "auto",
+        quantization: str | None = None,
     ):
         self.model_config = config = ModelConfig.from_dir(model_path)
         self.device = device
         self.dtype = dtype
         _, num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
         _, num_kv_heads = tp.shard(config.num_key_value_heads, "num_key_value_heads")
-        self.attn_backend = create_attention_backend(attention_backend, num_heads, num_kv_heads)
+        check_quantization(quantization, device)
+        kernels = select_kernels(attention_backend, num_heads, num_kv_heads, device, dtype)
+        self.attention_backend = kernels.name
+        self.attn_backend = kernels.attn_backend
         self.model = get_model_class(config.architecture)(
-            config, tp=tp, attn_backend=self.attn_backend, dtype=dtype, device=device
+            config,
+            tp=tp,
+            attn_backend=kernels.attn_backend,
+            ops=kernels.ops,
+            dtype=dtype,
+            device=device,
         )
         load_weights(self.model, model_path)
+        self.quantization = quantization
+        if quantization == "int8":
+            self.model.quantize_int8()
 
         kv_slot_bytes = TokenToKVPool.bytes_per_slot(
             config.num_hidden_layers, num_kv_heads, config.head_dim, dtype
@@ -64,10 +77,13 @@ class ModelRunner:
         )
         self.sampler = Sampler(device, seed)
         logger.info(
-            "Loaded %s (%s, %s, TP rank %d/%d): KV pool of %d tokens, %.2f GB",
+            "Loaded %s (%s, %s, attention backend %s, quantization %s, TP rank %d/%d): "
+            "KV pool of %d tokens, %.2f GB",
             config.architecture,
             dtype,
             device,
+            self.attention_backend,
+            quantization,
             tp.rank,
             tp.size,
             self.max_total_tokens,

@@ -2,7 +2,8 @@
 
 The order is SGLang's and vLLM's: penalties on the raw logits -> greedy rows take the argmax ->
 temperature -> softmax -> top_k -> top_p -> min_p -> draw. Work a batch does not ask for is
-skipped: an all-greedy batch without penalties or logprobs is one argmax.
+skipped: an all-greedy batch without penalties or logprobs is one argmax. Everything per request
+comes with the batch; the sampler keeps only the generator unseeded rows draw from.
 """
 
 from __future__ import annotations
@@ -12,31 +13,28 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.model_worker.batch import SampleOutput, SamplingBatchInfo
-from radixserve.model_worker.penalties import PenaltyState, penalised_rows
+from radixserve.model_worker.penalties import apply_penalties
+
+# A temperature below this is greedy, as in vLLM (its _SAMPLING_EPS) and SGLang: dividing the
+# logits by less can overflow float32 into infinities, whose softmax is NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class Sampler:
-    """What sampling keeps between steps: the generator unseeded rows draw from, and the
-    penalty state of the requests' rows."""
-
     def __init__(self, device: torch.device, seed: int):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        self.penalties = PenaltyState()
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         """float32 logits [B, V] -> the next tokens (and logprobs if asked for), on the CPU."""
         if info.is_all_greedy and not info.has_penalties and not info.any_logprob:
             return SampleOutput(logits.argmax(dim=-1).cpu())
-        rows = penalised_rows(info) if info.has_penalties else None
-        processed = logits if rows is None else self.penalties.apply(logits, info, rows)
+        processed = apply_penalties(logits, info)
         if info.is_all_greedy:
             tokens = processed.argmax(dim=-1)
         else:
             tokens = sample_tokens(processed, info, self.generator)
-        if rows is not None:
-            self.penalties.record(tokens, info, rows)
         if not info.any_logprob:
             return SampleOutput(tokens.cpu())
         return _with_logprobs(logits, tokens, info)
@@ -52,14 +50,16 @@ def sample_tokens(
 ) -> torch.Tensor:
     """(Penalised) logits float32 [B, V] -> token ids int64 [B] on logits' device.
 
-    Rows with temperature 0 take the argmax. top_k keeps the k likeliest tokens (-1: all);
-    top_p then keeps the smallest set of those whose renormalised probability reaches top_p;
-    min_p then drops tokens less likely than min_p times the likeliest one. Only the rows that
-    sample pay for any of it, and rows that filter draw among their candidates only.
+    Rows with a temperature below GREEDY_TEMPERATURE take the argmax. top_k keeps the k
+    likeliest tokens (-1: all); top_p then keeps the smallest set of those whose renormalised
+    probability reaches top_p; min_p then drops tokens less likely than min_p times the likeliest
+    one. Only the rows that sample pay for any of it, and rows that filter draw among their
+    candidates only.
     """
     device = logits.device
     tokens = logits.argmax(dim=-1)
-    sampling = (info.temperatures > 0).nonzero()[:, 0]  # CPU: decided without a device sync
+    # On the CPU: decided without a device sync.
+    sampling = (info.temperatures >= GREEDY_TEMPERATURE).nonzero()[:, 0]
     if sampling.numel() == 0:
         return tokens
     rows = _rows(info, sampling)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from radixserve.protocol.wire import FinishReason, SamplingParams, ServerInfoReply
+from radixserve.protocol.wire import FinishReason, ModelInfoReply, SamplingParams, ServerInfoReply
 
 
 class _Msg(msgspec.Struct, tag_field="kind", array_like=True):
@@ -50,8 +50,20 @@ class HealthReq(_Msg, tag="health"):
     query_id: int
 
 
+class ModelInfoReq(_Msg, tag="model_info"):
+    """The scheduler answers: it resolved the dtype, device and context length."""
+
+    query_id: int
+
+
 SchedulerInput = (
-    TokenizedGenerateReq | AbortReq | StopReq | FlushCacheReq | ServerInfoReq | HealthReq
+    TokenizedGenerateReq
+    | AbortReq
+    | StopReq
+    | FlushCacheReq
+    | ServerInfoReq
+    | HealthReq
+    | ModelInfoReq
 )
 
 # (logprob, token id): SGLang's layout for output_token_logprobs and each top-logprobs entry.
@@ -123,7 +135,14 @@ class HealthOut(_Msg, tag="health_out"):
     query_id: int
 
 
-TokenizerManagerInput = BatchStrOut | ReqError | ServerInfoOut | FlushCacheOut | HealthOut
+class ModelInfoOut(_Msg, tag="model_info_out"):
+    query_id: int
+    info: ModelInfoReply
+
+
+TokenizerManagerInput = (
+    BatchStrOut | ReqError | ServerInfoOut | FlushCacheOut | HealthOut | ModelInfoOut
+)
 
 
 # ---- any child -> launch.py --------------------------------------------------------------------

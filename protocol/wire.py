@@ -6,7 +6,7 @@ an out-of-range value fails in the decoder with a message that names the field.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -86,7 +86,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+    # No "tool": the wire format has no tools, tool calls or tool_call_id, so a tool message
+    # could answer no call, and a template that does not know the role (SmolLM2's) would
+    # render it as a marker the model never saw. Adding it with tool calls is additive.
+    role: Literal["system", "user", "assistant"]
     content: str
 
 

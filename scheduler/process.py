@@ -25,6 +25,8 @@ from radixserve.protocol.internal import (
     FlushCacheReq,
     HealthOut,
     HealthReq,
+    ModelInfoOut,
+    ModelInfoReq,
     ProcessReady,
     ReqError,
     SchedulerInput,
@@ -33,14 +35,16 @@ from radixserve.protocol.internal import (
     StopReq,
     TokenizedGenerateReq,
 )
-from radixserve.protocol.wire import FinishReason
-from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.protocol.wire import FinishReason, ModelInfoReply
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
 
 
-def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
+def build_scheduler(args: ServerArgs, model_path: str) -> tuple[Scheduler, ModelInfoReply]:
+    """The scheduler with its model worker, and the model as it serves it (for model_info)."""
     device = resolve_device(args.device)
     checkpoint_dtype = ModelConfig.from_dir(model_path).dtype
     runner = ModelRunner(
@@ -51,6 +55,8 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
         mem_fraction_static=args.mem_fraction_static,
         tp=TPGroup(rank=0, size=1, group=None),
         seed=args.random_seed,
+        attention_backend=args.attention_backend,
+        quantization=args.quantization,
     )
     model = runner.model_config
     context_len = args.context_length or model.max_position_embeddings
@@ -82,14 +88,21 @@ def build_scheduler(args: ServerArgs, model_path: str) -> Scheduler:
         context_len,
         config.chunked_prefill_size,
     )
-    return Scheduler(config, runner)
+    info = ModelInfoReply(
+        model_path=model_path,
+        architecture=model.architecture,
+        context_length=context_len,
+        vocab_size=model.vocab_size,
+        dtype=str(runner.dtype).removeprefix("torch."),
+    )
+    return Scheduler(config, runner), info
 
 
 class SchedulerProcess:
     def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str, heartbeat: Heartbeat):
         self.max_queued_requests = args.max_queued_requests
         self.heartbeat = heartbeat
-        self.scheduler = build_scheduler(args, model_path)
+        self.scheduler, self.model_info = build_scheduler(args, model_path)
         ctx = zmq.Context()
         self.recv_from_tokenizer = transport.bind_pull(ctx, ipc_dir, transport.SCHEDULER_INPUT)
         self.send_to_detokenizer = transport.connect_push(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
@@ -117,8 +130,8 @@ class SchedulerProcess:
         """Everything queued now; when idle, first sleep until something arrives (or it is time
         to beat)."""
         if block:
-            self.recv_from_tokenizer.poll(HEARTBEAT_INTERVAL_S * 1000)
-        msgs = []
+            self.recv_from_tokenizer.poll(int(HEARTBEAT_INTERVAL_S * 1000))
+        msgs: list[msgspec.Struct] = []
         while True:
             try:
                 data = self.recv_from_tokenizer.recv(zmq.NOBLOCK)
@@ -149,6 +162,8 @@ class SchedulerProcess:
                 self._reply(FlushCacheOut(qid, ok, message))
             case HealthReq(query_id=qid):
                 self._reply(HealthOut(qid))
+            case ModelInfoReq(query_id=qid):
+                self._reply(ModelInfoOut(qid, self.model_info))
 
     def stream_output(self) -> None:
         outbox = self.scheduler.outbox
@@ -167,7 +182,7 @@ def run_scheduler_process(
     ready_writer: Connection,
     heartbeat: Heartbeat,
 ) -> None:
-    configure_process("scheduler", args, torch_threads=args.torch_threads)
+    configure_process("scheduler", args, torch_threads=args.num_threads)
     keep_freed_memory()
     proc = SchedulerProcess(args, model_path, ipc_dir, heartbeat)
     ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("scheduler")))

@@ -3,7 +3,8 @@
 Requests that share a prefix (a system prompt, earlier turns of a chat) reuse its KV slots
 instead of computing them again. Slots in the tree belong to the tree: `evict` returns them to
 the allocator, least recently used leaves first, skipping every node a running request has
-locked with `inc_lock_ref`.
+locked with `inc_lock_ref`. The candidates wait in an LRUQueue kept between evictions, so a
+pool full of cached prefixes costs an eviction O(1) per leaf, not a pass over every leaf.
 
 With `page_size` > 1 everything happens in whole pages: every node's key is a multiple of
 `page_size` tokens long, and children are keyed by the tuple of their first page's tokens.
@@ -11,12 +12,11 @@ With `page_size` > 1 everything happens in whole pages: every node's key is a mu
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from dataclasses import dataclass, field
 
 import torch
 
+from radixserve.scheduler.lru_queue import LRUQueue
 from radixserve.scheduler.memory_pool import TokenSlotAllocator
 
 # The first token of a child's key (page_size 1), or its first page as a tuple.
@@ -28,7 +28,6 @@ class TreeNode:
     key: list[int]
     value: torch.Tensor  # int64 KV slots, one per token of key
     parent: TreeNode | None
-    uid: int  # breaks ties between equal access times, so eviction order is deterministic
     children: dict[ChildKey, TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access_time: int = 0
@@ -38,6 +37,12 @@ class TreeNode:
 class MatchResult:
     slots: torch.Tensor  # int64 [n], n a multiple of page_size
     last_node: TreeNode  # the node ending exactly at n tokens (the root when n == 0)
+
+
+@dataclass(slots=True)
+class InsertResult:
+    num_cached: int  # leading tokens that were in the tree already
+    last_node: TreeNode  # the node ending exactly at the inserted length (whole pages)
 
 
 def common_prefix_len(a: list[int], b: list[int], page_size: int) -> int:
@@ -65,17 +70,16 @@ class RadixCache:
     def __init__(self, allocator: TokenSlotAllocator, page_size: int = 1):
         self.allocator = allocator
         self.page_size = page_size
-        self._uids = itertools.count()
         self._clock = 0
         self._clear()
 
     def _clear(self) -> None:
-        self.root = self._new_node([], torch.empty(0, dtype=torch.int64), None)
+        self.root = TreeNode([], torch.empty(0, dtype=torch.int64), None)
         self._evictable_size = 0
         self._protected_size = 0
-        # Unlocked childless nodes: exactly what evict may free now, kept current so that
-        # evict never walks the whole tree.
-        self._evictable_leaves: set[TreeNode] = set()
+        # Unlocked childless nodes, at their last access: exactly what evict may free now, kept
+        # current so that evict never walks the whole tree.
+        self._evictable_leaves: LRUQueue[TreeNode] = LRUQueue()
 
     @property
     def evictable_size(self) -> int:
@@ -93,8 +97,8 @@ class RadixCache:
         """The longest cached prefix of token_ids, in whole pages and at most len - 1 tokens:
         the forward needs at least one token to compute, whose logits it samples from.
 
-        Splits a node the match ends inside, so last_node ends exactly at the match. Lock
-        last_node before using the slots: until then evict may free them.
+        Splits a node the match ends inside, so last_node ends exactly at the match, and marks
+        the path used. Lock last_node before using the slots: until then evict may free them.
         """
         limit = (len(token_ids) - 1) // self.page_size * self.page_size
         key = token_ids[:limit]
@@ -104,7 +108,7 @@ class RadixCache:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
                 break
-            child.last_access_time = now
+            self._touch(child, now)
             n = common_prefix_len(child.key, key[pos : pos + len(child.key)], self.page_size)
             if n < len(child.key):
                 child = self._split(child, n)
@@ -114,15 +118,41 @@ class RadixCache:
         slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         return MatchResult(slots=slots, last_node=node)
 
-    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
-        """Cache token_ids[:n] -> slots[:n], n being len(token_ids) in whole pages; return
-        how many leading tokens were already cached. Frees nothing itself:
+    def cached_prefix_len(self, token_ids: list[int]) -> int:
+        """How many tokens match_prefix would match, without its side effects: no node is split
+        and no access time changes (for ordering a queue by its matches)."""
+        limit = (len(token_ids) - 1) // self.page_size * self.page_size
+        node, pos = self.root, 0
+        while pos < limit:
+            child = node.children.get(self._child_key(token_ids, pos))
+            if child is None:
+                break
+            end = min(pos + len(child.key), limit)
+            n = common_prefix_len(child.key, token_ids[pos:end], self.page_size)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
 
-          0                  returned              n                  len(token_ids)
+    def prefix_slots(self, node: TreeNode) -> torch.Tensor:
+        """The slots of every token from the root to the end of node."""
+        values = []
+        while node.parent is not None:
+            values.append(node.value)
+            node = node.parent
+        return torch.cat(values[::-1]) if values else torch.empty(0, dtype=torch.int64)
+
+    def insert(self, token_ids: list[int], slots: torch.Tensor) -> InsertResult:
+        """Cache token_ids[:n] -> slots[:n], n being len(token_ids) in whole pages. Returns how
+        many leading tokens were already cached, and the node ending at n (to lock, with no
+        second walk). Frees nothing itself:
+
+          0                num_cached              n                  len(token_ids)
           ├─ already cached ─┼──────── new ────────┼── partial page ──┤
           │ caller's copies  │ tree owns a copy    │ caller's         │
 
-        The caller frees what it allocated in [0, returned) (not a prefix it got from
+        The caller frees what it allocated in [0, num_cached) (not a prefix it got from
         match_prefix: those slots are the tree's) and everything in [n, len).
         """
         n = len(token_ids) // self.page_size * self.page_size
@@ -135,15 +165,15 @@ class RadixCache:
             if child is None:
                 # Clone: the caller's slots are often a view of a req_to_token row that the
                 # next request in that row overwrites.
-                self._add_leaf(node, key[pos:], slots[pos:n].clone(), now)
-                return pos
-            child.last_access_time = now
+                leaf = self._add_leaf(node, key[pos:], slots[pos:n].clone(), now)
+                return InsertResult(pos, leaf)
+            self._touch(child, now)
             m = common_prefix_len(child.key, key[pos : pos + len(child.key)], self.page_size)
             if m < len(child.key):
                 child = self._split(child, m)
             pos += m
             node = child
-        return pos
+        return InsertResult(pos, node)
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect node and every ancestor from eviction; pair with dec_lock_ref."""
@@ -163,23 +193,24 @@ class RadixCache:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
                 if not node.children:
-                    self._evictable_leaves.add(node)
+                    self._add_evictable_leaf(node)
             node = node.parent
 
     def evict(self, num_tokens: int) -> int:
         """Free at least num_tokens slots, or every evictable one, least recently used leaves
         first. A parent whose last child goes becomes a leaf and a candidate itself.
         Returns how many slots went back to the allocator."""
-        heap = [(leaf.last_access_time, leaf.uid, leaf) for leaf in self._evictable_leaves]
-        heapq.heapify(heap)
+        values = []
         freed = 0
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            self.allocator.free(leaf.value)
+        while freed < num_tokens:
+            leaf = self._evictable_leaves.pop_oldest()
+            if leaf is None:
+                break
+            values.append(leaf.value)
             freed += len(leaf.key)
-            parent = self._remove_leaf(leaf)
-            if parent in self._evictable_leaves:
-                heapq.heappush(heap, (parent.last_access_time, parent.uid, parent))
+            self._remove_leaf(leaf)  # queues its parent if that becomes an evictable leaf
+        if values:
+            self.allocator.free(torch.cat(values))
         return freed
 
     def reset(self) -> None:
@@ -202,31 +233,38 @@ class RadixCache:
         self._clock += 1
         return self._clock
 
-    def _new_node(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> TreeNode:
-        return TreeNode(key=key, value=value, parent=parent, uid=next(self._uids))
-
     def _child_key(self, key: list[int], pos: int) -> ChildKey:
         if self.page_size == 1:
             return key[pos]
         return tuple(key[pos : pos + self.page_size])
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, now: int) -> None:
-        leaf = self._new_node(key, value, parent)
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: torch.Tensor, now: int
+    ) -> TreeNode:
+        leaf = TreeNode(key, value, parent)
         leaf.last_access_time = now
         parent.children[self._child_key(key, 0)] = leaf
         self._evictable_size += len(key)
         self._evictable_leaves.discard(parent)
-        self._evictable_leaves.add(leaf)
+        self._add_evictable_leaf(leaf)
+        return leaf
 
-    def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
+    def _remove_leaf(self, leaf: TreeNode) -> None:
+        """Take an evicted leaf (popped from the queue already) out of the tree."""
         parent = leaf.parent
         assert parent is not None
         del parent.children[self._child_key(leaf.key, 0)]
         self._evictable_size -= len(leaf.key)
-        self._evictable_leaves.discard(leaf)
         if not parent.children and parent.lock_ref == 0 and parent is not self.root:
-            self._evictable_leaves.add(parent)
-        return parent
+            self._add_evictable_leaf(parent)
+
+    def _add_evictable_leaf(self, node: TreeNode) -> None:
+        self._evictable_leaves.add(node, node.last_access_time)
+
+    def _touch(self, node: TreeNode, now: int) -> None:
+        node.last_access_time = now
+        if node in self._evictable_leaves:  # queued at its old time: queue it at the new one
+            self._add_evictable_leaf(node)
 
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut node after its first n tokens; return the new upper part, which ends there.
@@ -239,7 +277,7 @@ class RadixCache:
         """
         parent = node.parent
         assert parent is not None
-        upper = self._new_node(node.key[:n], node.value[:n], parent)
+        upper = TreeNode(node.key[:n], node.value[:n], parent)
         upper.lock_ref = node.lock_ref
         upper.last_access_time = node.last_access_time
         parent.children[self._child_key(node.key, 0)] = upper

@@ -5,18 +5,25 @@ The vLLM v1 view: a request is `num_computed_tokens` (tokens whose KV is in the 
 
     tokens:   [ prompt ........................ | outputs ...... ]
     KV:       [ tree's prefix | own ....... ]        ^ num_tokens
-                              ^ prefix_len  ^ num_computed_tokens
+                  kv.cached_len ^           ^ num_computed_tokens
 
-The first `prefix_len` slots of its row belong to the radix tree (locked through `last_node` while
-the request runs); the rest, up to `num_computed_tokens`, are the request's own.
+While it runs it holds a KVHandle from KVManager: its row, whose first `kv.cached_len` slots
+belong to the prefix cache; the rest, up to `num_computed_tokens`, are the request's own.
+Who writes what: KVManager `kv`; the scheduler the progress (`num_computed_tokens`, outputs,
+`seen`) and the end (`finished_reason`); output.py `num_sent_tokens`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
+from radixserve.protocol.internal import ReqError, TokenizedGenerateReq
 from radixserve.protocol.wire import FinishReason, SamplingParams
-from radixserve.scheduler.radix_cache import TreeNode
+from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.kv_handle import KVHandle
+from radixserve.scheduler.seen_tokens import SeenTokens
 
 
 @dataclass(slots=True, eq=False)
@@ -32,13 +39,14 @@ class Req:
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     num_computed_tokens: int = 0
-    req_pool_idx: int | None = None  # row in ReqToTokenPool while it holds KV
-    prefix_len: int = 0  # leading tokens whose KV slots the radix tree owns
-    last_node: TreeNode | None = None  # the tree node ending at prefix_len, locked while running
-    new_row: bool = False  # first step in its row: the worker (re)builds its penalty state
+    kv: KVHandle | None = None  # while it runs
+    seen: SeenTokens | None = None  # what its penalties read; None without penalties
     finished_reason: FinishReason | None = None
     num_sent_tokens: int = 0  # outputs already handed to the detokenizer
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Prompt tokens whose KV came from the prefix cache, counted at its first admission: a
+    # recompute after a retraction finds its own KV there, which is no cache hit.
+    cached_tokens: int = 0
+    retracted: bool = False  # ever sent back to the waiting queue
 
     @property
     def num_tokens(self) -> int:
@@ -85,3 +93,43 @@ class Req:
             or len(self.origin_input_ids) + n_out >= context_len
         ):
             self.finished_reason = FinishReason("length")
+
+
+def make_req(msg: TokenizedGenerateReq, config: SchedulerConfig) -> Req | ReqError:
+    """The first conversion of the data path: the request as the scheduler keeps it, or the error
+    that refuses it at once (it could never fit the context or the whole KV pool)."""
+    params = msg.sampling_params
+    n_prompt = len(msg.input_ids)
+    if n_prompt >= config.context_len:
+        return ReqError(
+            msg.rid,
+            "too_long",
+            f"the prompt has {n_prompt} tokens; the context length is {config.context_len}, "
+            "which must leave room for at least one new token",
+        )
+    # Clipped to the context, as SGLang and vLLM do: admission reserves KV for max_new_tokens,
+    # so an unclipped one could be accepted here and never admitted, blocking the queue.
+    max_new = min(params.max_new_tokens, config.context_len - n_prompt)
+    if max_new != params.max_new_tokens:
+        params = msgspec.structs.replace(params, max_new_tokens=max_new)
+    peak = n_prompt + max_new
+    if peak > config.max_total_tokens:
+        return ReqError(
+            msg.rid,
+            "too_long",
+            f"prompt + max_new_tokens needs {peak} KV tokens; the whole KV pool holds "
+            f"{config.max_total_tokens} (--max-total-tokens)",
+        )
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stop_ids |= config.eos_token_ids
+    return Req(
+        msg.rid,
+        msg.input_ids,
+        params,
+        msg.stream,
+        frozenset(stop_ids),
+        return_logprob=msg.return_logprob,
+        top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
+        seen=SeenTokens.of(msg.input_ids, []) if params.has_penalties else None,
+    )

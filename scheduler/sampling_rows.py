@@ -1,7 +1,8 @@
 """SamplingRows: each running request's sampling parameters, kept in its ReqToTokenPool row.
 
 Written once when a request is given a row; a step gathers its batch's columns with one index per
-dtype, so building SamplingBatchInfo costs no Python per request.
+dtype, so building SamplingBatchInfo costs no Python per request (but per penalised request, whose
+seen tokens the batch carries).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixserve.model_worker.batch import PenaltyInit, SamplingBatchInfo
+from radixserve.model_worker.batch import PenaltyTokens, SamplingBatchInfo
+from radixserve.model_worker.sampler import GREEDY_TEMPERATURE
 from radixserve.scheduler.req import Req
+from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
 
 # Column order of each table.
 FLOATS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")
@@ -35,21 +38,18 @@ class SamplingRows:
             p.presence_penalty,
         )
         self.ints[row] = (p.top_k, p.seed or 0, req.top_logprobs_num)
-        self.flags[row] = (p.seed is not None, req.return_logprob, p.has_penalties, p.is_greedy)
+        greedy = p.is_greedy or p.temperature < GREEDY_TEMPERATURE
+        self.flags[row] = (p.seed is not None, req.return_logprob, p.has_penalties, greedy)
 
     def batch_info(
-        self,
-        rows: torch.Tensor,
-        output_index: torch.Tensor,
-        emits: list[bool],
-        penalty_inits: list[PenaltyInit],
+        self, reqs: list[Req], rows: torch.Tensor, output_index: torch.Tensor
     ) -> SamplingBatchInfo:
-        """The columns of the batch whose sequence i holds row rows[i]."""
+        """The columns of the batch whose sequence i is reqs[i], in row rows[i]."""
         index = rows.numpy()
         floats = torch.from_numpy(self.floats[index].T.copy())
         ints = torch.from_numpy(self.ints[index].T.copy())
         flags = self.flags[index].T.copy()
-        seeded, return_logprob, penalized, greedy = torch.from_numpy(flags)
+        seeded, return_logprob, _, _ = torch.from_numpy(flags)
         temperatures, top_ps, min_ps, rep, freq, pres = floats
         top_ks, seeds, top_logprobs_nums = ints
         return SamplingBatchInfo(
@@ -63,12 +63,20 @@ class SamplingRows:
             seeds=seeds,
             seeded=seeded,
             output_index=output_index,
-            req_rows=rows,
-            emits_token=torch.from_numpy(np.array(emits, dtype=np.bool_)),
             top_logprobs_nums=top_logprobs_nums,
             return_logprob=return_logprob,
-            penalty_inits=penalty_inits,
+            penalty_tokens=_penalty_tokens(reqs, flags[2]) if flags[2].any() else None,
             is_all_greedy=bool(flags[3].all()),
-            has_penalties=bool(flags[2].any()),
             any_logprob=bool(flags[1].any()),
         )
+
+
+def _penalty_tokens(reqs: list[Req], penalised: np.ndarray) -> PenaltyTokens:
+    """The seen tokens of the requests whose `penalised` flag is set, for the batch."""
+    indices = np.flatnonzero(penalised)
+    seen: list[SeenTokens] = []
+    for i in indices.tolist():
+        req_seen = reqs[i].seen
+        assert req_seen is not None, "a request with penalties has seen its prompt"
+        seen.append(req_seen)
+    return penalty_tokens(indices, seen)

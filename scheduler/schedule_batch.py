@@ -1,26 +1,81 @@
-"""ScheduleBatch: one step's plan on the scheduler side, and its ModelWorkerBatch."""
+"""ScheduleBatch: one step's plan on the scheduler side, and its ModelWorkerBatch.
+
+`prepare` is the one place a step touches KV bookkeeping: it allocates the new tokens' slots and
+writes them into the requests' rows, and takes what the step reads from its requests. After
+that the batch does not change: `to_model_worker_batch` only reads, so it gives the same
+ModelWorkerBatch however often it is called (overlap scheduling and TP broadcast rely on it).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
 
-from radixserve.model_worker.batch import ModelWorkerBatch, PenaltyInit
-from radixserve.scheduler.memory_pool import ReqToTokenPool
+from radixserve.model_worker.batch import ModelWorkerBatch
+from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.sampling_rows import SamplingRows
 
+# Columns read from every request of a step, by C-level getters (no Python frame per request).
+_ROW = attrgetter("kv.row")  # a request in a batch runs, so it holds a KVHandle
+_NUM_COMPUTED = attrgetter("num_computed_tokens")
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True)
 class ScheduleBatch:
     reqs: list[Req]
     prefix_lens: list[int]  # num_computed_tokens of each request before this step
     extend_lens: list[int]  # tokens each request computes in this step
     emits: list[bool]  # whether the request catches up, so its sampled token is a real output
-    out_cache_loc: torch.Tensor  # KV slots of the new tokens, in request order
     num_decodes: int  # requests that are one behind; the rest are prefilling
+    # int64 [B] each: prefix_lens, extend_lens, each request's row, and which output token of
+    # its request each samples (its output_index)
+    columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    input_ids: torch.Tensor  # int64 [T]: the tokens computed, request after request
+    positions: torch.Tensor  # int64 [T]
+    out_cache_loc: torch.Tensor  # int64 [T]: KV slots of the new tokens
+
+    @classmethod
+    def prepare(
+        cls,
+        reqs: list[Req],
+        extend_lens: list[int],
+        emits: list[bool],
+        num_decodes: int,
+        kv: KVManager,
+    ) -> ScheduleBatch:
+        prefix_lens = list(map(_NUM_COMPUTED, reqs))
+        n_out = [len(r.output_ids) for r in reqs]
+        # One conversion for every int column: each torch.tensor call on a list costs ~25 µs.
+        columns = np.array([prefix_lens, extend_lens, list(map(_ROW, reqs)), n_out], dtype=np.int64)
+        prefix, extend, rows, output_index = torch.from_numpy(columns)
+        num_tokens = sum(extend_lens)
+        if num_tokens == len(reqs):  # one token each: decodes, the common case
+            positions, token_rows = prefix, rows
+        else:  # positions of sequence i run prefix[i] .. prefix[i] + extend[i] - 1
+            shift = torch.cumsum(extend, 0) - extend - prefix  # token index - position
+            positions = torch.arange(num_tokens) - torch.repeat_interleave(shift, extend)
+            token_rows = torch.repeat_interleave(rows, extend)
+        if num_tokens == len(reqs) and all(emits):  # each computes its last token
+            input_ids = [(r.output_ids or r.origin_input_ids)[-1] for r in reqs]
+        else:
+            input_ids = []
+            for req, start, n in zip(reqs, prefix_lens, extend_lens):
+                input_ids += req.token_slice(start, start + n)
+        return cls(
+            reqs=reqs,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            emits=emits,
+            num_decodes=num_decodes,
+            columns=(prefix, extend, rows, output_index),
+            input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
+            positions=positions,
+            out_cache_loc=kv.alloc_extend(token_rows, positions),
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -30,46 +85,18 @@ class ScheduleBatch:
     def is_mixed(self) -> bool:
         return 0 < self.num_decodes < len(self.reqs)
 
-    def to_model_worker_batch(
-        self, pool: ReqToTokenPool, sampling_rows: SamplingRows
-    ) -> ModelWorkerBatch:
-        reqs = self.reqs
-        rows_list = [r.req_pool_idx for r in reqs]
-        n_out = [len(r.output_ids) for r in reqs]
-        # One conversion for every int column: each torch.tensor call on a list costs ~25 µs.
-        columns = np.array([self.prefix_lens, self.extend_lens, rows_list, n_out], dtype=np.int64)
-        prefix, extend, rows, output_index = torch.from_numpy(columns)
-        if self.num_tokens == len(reqs):  # one token each: decodes, the common case
-            positions, token_rows = prefix, rows
-        else:  # positions of sequence i run prefix[i] .. prefix[i] + extend[i] - 1
-            shift = torch.cumsum(extend, 0) - extend - prefix  # token index - position
-            positions = torch.arange(self.num_tokens) - torch.repeat_interleave(shift, extend)
-            token_rows = torch.repeat_interleave(rows, extend)
-        pool.req_to_token[token_rows, positions] = self.out_cache_loc
-
-        if self.num_tokens == len(reqs) and all(self.emits):  # each computes its last token
-            input_ids = [(r.output_ids or r.origin_input_ids)[-1] for r in reqs]
-        else:
-            input_ids = []
-            for req, start, n in zip(reqs, self.prefix_lens, self.extend_lens):
-                input_ids += req.token_slice(start, start + n)
-
+    def to_model_worker_batch(self, kv: KVManager, sampling_rows: SamplingRows) -> ModelWorkerBatch:
+        prefix, extend, rows, output_index = self.columns
         # Past a request's tokens its row holds zeros (ReqToTokenPool), so these rows come padded.
         seq_lens = prefix + extend
-        kv_slots = pool.req_to_token[:, : int(seq_lens.max())].index_select(0, rows)
-
-        inits = []
-        for i in [i for i, r in enumerate(reqs) if r.new_row]:
-            req = reqs[i]
-            req.new_row = False
-            if req.sampling_params.has_penalties:
-                inits.append(PenaltyInit(i, req.origin_input_ids, req.output_ids))
+        pool = kv.req_to_token_pool.req_to_token
+        kv_slots = pool[:, : int(seq_lens.max())].index_select(0, rows)
         return ModelWorkerBatch(
-            input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
-            positions=positions,
+            input_ids=self.input_ids,
+            positions=self.positions,
             out_cache_loc=self.out_cache_loc,
             prefix_lens=prefix,
             extend_lens=extend,
             kv_slots=kv_slots,
-            sampling=sampling_rows.batch_info(rows, output_index, self.emits, inits),
+            sampling=sampling_rows.batch_info(self.reqs, rows, output_index),
         )

@@ -23,6 +23,7 @@ import zmq
 
 from radixserve.client import AsyncClient, Client, ProtocolError, ServerError
 from radixserve.client.cli import main
+from radixserve.client.local_server import free_port
 from radixserve.client.messages import WireCodec
 from radixserve.protocol.wire import (
     AbortRequest,
@@ -219,7 +220,7 @@ def test_generate_sends_one_frame_and_gets_one_reply(server, client):
             "rid": out.rid,
             "text": "hi",
             "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
-        }  # defaults are left off the wire
+        }  # what the caller gave, and nothing else
     ]
 
 
@@ -294,16 +295,60 @@ def test_closing_a_stream_early_aborts_it(server, client):
     assert client.generate("next").text == "echo:next"  # the stale chunk is dropped
 
 
-def test_requests_are_validated_before_sending(server, client):
-    with pytest.raises(ValueError, match="temperature"):
-        client.generate("x", sampling_params={"temperature": -1})
-    with pytest.raises(ValueError, match="unknown field"):
-        client.generate("x", sampling_params={"temprature": 1})
-    with pytest.raises(ValueError, match="exactly one"):
-        client.generate("x", input_ids=[1])
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({"sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
+        ({"sampling_params": {"temprature": 1}}, "unknown field `temprature`"),
+        ({"sampling_params": {"seed": 2**64}}, "serialize ints"),
+        ({"input_ids": [1]}, "exactly one of text, input_ids or messages"),
+        ({"text": None, "messages": [{"role": "robot", "content": "x"}]}, "$.messages[0].role"),
+        ({"top_logprobs_num": -1}, "top_logprobs_num"),
+    ],
+)
+def test_refused_requests_raise_server_error_before_sending(server, client, kwargs, names):
+    """The server's code and message, from the client's own check: one error type to catch."""
+    with pytest.raises(ServerError) as info:
+        client.generate(**{"text": "x", **kwargs}, rid="mine")
+    assert (info.value.code, info.value.rid) == ("invalid_request", "mine")
+    assert names in info.value.message
+    assert server.frames == []
+
+
+def test_generate_of_n_completions_is_a_usage_error(server, client):
     with pytest.raises(ValueError, match="stream"):
         client.generate("x", sampling_params={"n": 2})
     assert server.frames == []
+
+
+def test_a_given_value_equal_to_the_default_is_sent(server, client):
+    """The server gives a left-out field the model's default: 1.0 said must stay 1.0."""
+    client.generate("x", sampling_params={"temperature": 1.0, "top_p": 1.0})
+    assert server.raw_requests[-1]["sampling_params"] == {"temperature": 1.0, "top_p": 1.0}
+
+
+def test_no_server_is_said_at_once_and_nothing_waits_forever():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with Client(address, connect_timeout=0.3) as client:
+        assert client.timeout is not None and client.connect_timeout is not None  # defaults
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match=f"no server at {address}"):
+            client.health()
+        with pytest.raises(ConnectionError, match="no server"):
+            client.generate("x")
+        assert time.monotonic() - start < 3
+
+    async def run() -> None:
+        async with AsyncClient(address, connect_timeout=0.3) as client:
+            assert client.timeout is not None and client.connect_timeout is not None
+            with pytest.raises(ConnectionError, match=f"no server at {address}"):
+                await client.generate("x")
+            with pytest.raises(ConnectionError, match="no server"):
+                await client.server_info()
+
+    start = time.monotonic()
+    asyncio.run(run())
+    assert time.monotonic() - start < 3
 
 
 def test_oversized_reply_is_a_protocol_error(server):
@@ -379,6 +424,8 @@ def test_async_errors_timeouts_and_aborts(server):
                 await client.flush_cache()
             with pytest.raises(ValueError, match="stream"):
                 await client.generate("x", sampling_params={"n": 2})
+            with pytest.raises(ServerError, match="top_p"):
+                await client.generate("x", sampling_params={"top_p": 0})
             assert (await client.generate("ok")).text == "echo:ok"
 
     asyncio.run(run())
@@ -413,9 +460,25 @@ def test_cli_prints_a_completion(server, capsys):
     assert request["sampling_params"]["ignore_eos"] is True
 
 
+def test_cli_sends_each_option_as_its_wire_field(server, capsys):
+    args = ["--port", str(server.port), "--system", "Be brief.", "--stop", "!", "--stop", "."]
+    args += ["--n", "2", "--seed", "7", "--top-logprobs", "3", "--min-p", "0.1", "hi"]
+    assert main(args) == 0
+    request = server.raw_requests[-1]
+    assert request["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+    ]
+    assert request["sampling_params"] == {"stop": ["!", "."], "n": 2, "seed": 7, "min_p": 0.1}
+    assert request["return_logprob"] and request["top_logprobs_num"] == 3
+    out = capsys.readouterr().out
+    assert out.startswith("===== completion 0 =====\necho:system:Be brief.|user:hi\n")
+    assert "===== completion 1 =====" in out
+
+
 def test_cli_prints_control_replies_as_json(server, capsys):
     assert main(["--port", str(server.port), "--health"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"type": "health"}
+    assert json.loads(capsys.readouterr().out) == {"type": "health", "status": "ok"}
     assert main(["--port", str(server.port), "--server-info"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_tokens_total"] == 4096
     assert main(["--port", str(server.port), "--model-info"]) == 0
@@ -427,5 +490,7 @@ def test_cli_reports_errors(server, capsys):
     assert "invalid_request: boom" in capsys.readouterr().err
     assert main(["--port", str(server.port), "--timeout", "0.1", "hang"]) == 1
     assert "no reply" in capsys.readouterr().err
+    assert main(["--port", str(server.port), "--temperature", "-1", "x"]) == 1
+    assert "invalid_request: temperature must be >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--port", str(server.port)])

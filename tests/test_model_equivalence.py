@@ -16,9 +16,10 @@ import torch
 from test_sampler import make_info
 from transformers import AutoModelForCausalLM, RepetitionPenaltyLogitsProcessor
 
-from radixserve.model_worker.batch import ModelWorkerBatch, PenaltyInit
+from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.parallel import TPGroup
+from radixserve.scheduler.seen_tokens import SeenTokens
 
 TOLERANCE = 1e-4
 POOL_TOKENS = 200
@@ -91,8 +92,11 @@ def assert_matches_hf(hf: torch.nn.Module, s: Seq) -> None:
     assert expected.abs().max() > 0.5, "logits too small for the comparison to mean anything"
 
 
+@pytest.mark.parametrize("backend", ["torch_native", "cpu_attn"])
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_and_decode_match_transformers(tiny_model, device, case: str) -> None:
+def test_prefill_and_decode_match_transformers(tiny_model, device, case: str, backend: str) -> None:
+    if backend == "cpu_attn" and device.type != "cpu":
+        pytest.skip("the CPU extension runs on the CPU")
     kind, overrides = CASES[case]
     path: Path = tiny_model(kind, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -104,7 +108,9 @@ def test_prefill_and_decode_match_transformers(tiny_model, device, case: str) ->
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
+        attention_backend=backend,
     )
+    assert runner.attention_backend == backend
     assert runner.max_total_tokens == POOL_TOKENS
 
     gen = torch.Generator().manual_seed(1)
@@ -128,8 +134,8 @@ def test_sharded_checkpoint_and_greedy_forward(
     tiny_model, device, repetition_penalty: float
 ) -> None:
     """Greedy decoding through ModelRunner.forward equals transformers', also with its
-    repetition penalty. The prompt prefills in two chunks: the first one's sample is discarded,
-    so it must not count as an output token."""
+    repetition penalty, reading the seen tokens the batch carries. The prompt prefills in two
+    chunks: the first one's sample is discarded."""
     path: Path = tiny_model("qwen3", max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -164,10 +170,8 @@ def test_sharded_checkpoint_and_greedy_forward(
                 1,
                 temperatures=[0.0],
                 repetition_penalties=[repetition_penalty],
-                emits_token=[emits],
                 output_index=[len(out)],
-                req_rows=[3],
-                penalty_inits=[PenaltyInit(0, prompt, [])] if s.computed == 0 else [],
+                seen={0: SeenTokens.of(prompt, out)},  # as the scheduler keeps it
             ),
         )
         token = runner.forward(batch).next_token_ids

@@ -27,6 +27,18 @@ def path_of(node: TreeNode) -> list[int]:
     return [t for key in reversed(parts) for t in key]
 
 
+def nodes_by_path(cache: RadixCache) -> dict[tuple[int, ...], TreeNode]:
+    """Every node but the root, by the tokens from the root to its end."""
+    nodes, stack = {}, [(cache.root, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in node.children.values():
+            child_path = path + tuple(child.key)
+            nodes[child_path] = child
+            stack.append((child, child_path))
+    return nodes
+
+
 def alloc(allocator: TokenSlotAllocator, n: int) -> torch.Tensor:
     slots = allocator.alloc(n)
     assert slots is not None
@@ -57,7 +69,7 @@ def test_common_prefix_len_matches_a_token_loop(a: list[int], b: list[int], page
 def test_match_splits_a_node_on_partial_match() -> None:
     cache = RadixCache(TokenSlotAllocator(16))
     slots = alloc(cache.allocator, 5)
-    assert cache.insert([1, 2, 3, 4, 5], slots) == 0
+    assert cache.insert([1, 2, 3, 4, 5], slots).num_cached == 0
     m = cache.match_prefix([1, 2, 3, 9])
     assert m.slots.tolist() == slots[:3].tolist()
     assert m.last_node.key == [1, 2, 3]
@@ -80,9 +92,9 @@ def test_one_token_is_always_left_to_compute() -> None:
 def test_insert_reports_duplicates_and_copies_the_slots() -> None:
     cache = RadixCache(TokenSlotAllocator(16))
     first = alloc(cache.allocator, 3)
-    assert cache.insert([1, 2, 3], first) == 0
+    assert cache.insert([1, 2, 3], first).num_cached == 0
     second = alloc(cache.allocator, 5)
-    assert cache.insert([1, 2, 3, 4, 5], second) == 3
+    assert cache.insert([1, 2, 3, 4, 5], second).num_cached == 3
     cache.allocator.free(second[:3])
     second[3:] = 0  # the caller may reuse its buffer: the tree kept a copy
     assert cache.match_prefix([1, 2, 3, 4, 5, 6]).slots.tolist()[3:] != [0, 0]
@@ -108,7 +120,7 @@ def test_a_parent_whose_last_child_goes_is_evicted_too() -> None:
     cache = RadixCache(TokenSlotAllocator(16))
     cache.insert([1, 2], alloc(cache.allocator, 2))
     slots = alloc(cache.allocator, 4)
-    assert cache.insert([1, 2, 3, 4], slots) == 2
+    assert cache.insert([1, 2, 3, 4], slots).num_cached == 2
     cache.allocator.free(slots[:2])
     assert cache.evict(4) == 4
     assert cache.total_size == 0 and cache.allocator.num_free == 16
@@ -134,7 +146,7 @@ def test_reset_frees_every_slot() -> None:
     cache = RadixCache(TokenSlotAllocator(16))
     cache.insert([1, 2, 3], alloc(cache.allocator, 3))
     slots = alloc(cache.allocator, 2)
-    assert cache.insert([1, 5], slots) == 1
+    assert cache.insert([1, 5], slots).num_cached == 1
     cache.allocator.free(slots[:1])
     cache.reset()
     assert cache.total_size == 0 and cache.all_slots().numel() == 0
@@ -146,7 +158,7 @@ def test_page_size_16_never_returns_a_partial_page() -> None:
     cache = RadixCache(TokenSlotAllocator(128), page_size=16)
     seq = list(range(40))
     slots = alloc(cache.allocator, 40)
-    assert cache.insert(seq, slots) == 0
+    assert cache.insert(seq, slots).num_cached == 0
     assert cache.total_size == 32  # the last 8 tokens are not a whole page
     cache.allocator.free(slots[32:])
     assert cache.match_prefix(seq).slots.tolist() == slots[:32].tolist()
@@ -212,7 +224,9 @@ def radix_machine(page_size: int, num_slots: int, max_pages: int) -> type[RuleBa
         def insert_and_check(self, seq: list[int], slots: torch.Tensor) -> int:
             n = len(seq) // page_size * page_size
             cached = self.longest_cached(seq, len(seq))
-            assert self.cache.insert(seq, slots) == cached
+            result = self.cache.insert(seq, slots)
+            assert result.num_cached == cached
+            assert path_of(result.last_node) == seq[:n]  # what a request caching seq locks
             # The cached part keeps the tree's slots; only the new part takes the caller's.
             head = self.ref[tuple(seq[:cached])] if cached else ()
             for end in range(cached + page_size, n + 1, page_size):
@@ -221,7 +235,16 @@ def radix_machine(page_size: int, num_slots: int, max_pages: int) -> type[RuleBa
 
         def evict_and_check(self, k: int) -> None:
             before = set(self.allocator.free_slots().tolist())
+            access_times = {p: n.last_access_time for p, n in nodes_by_path(self.cache).items()}
             freed = self.cache.evict(k)
+            # Least recently used first: nothing evicted was used after a leaf that stays evictable.
+            remaining = nodes_by_path(self.cache)
+            evicted = [t for p, t in access_times.items() if p not in remaining]
+            kept = [
+                n.last_access_time for n in remaining.values() if not n.children and n.lock_ref == 0
+            ]
+            if evicted and kept:
+                assert max(evicted) <= min(kept)
             newly = set(self.allocator.free_slots().tolist()) - before
             assert freed == len(newly)
             assert freed >= k or self.cache.evictable_size == 0
@@ -268,6 +291,13 @@ def radix_machine(page_size: int, num_slots: int, max_pages: int) -> type[RuleBa
         def match(self, seq: list[int]) -> None:
             m = self.cache.match_prefix(seq)
             self.check_match(seq, m.slots, m.last_node)
+
+        @rule(seq=seqs)
+        def peek(self, seq: list[int]) -> None:
+            before = {p: n.last_access_time for p, n in nodes_by_path(self.cache).items()}
+            assert self.cache.cached_prefix_len(seq) == self.longest_cached(seq, len(seq) - 1)
+            after = {p: n.last_access_time for p, n in nodes_by_path(self.cache).items()}
+            assert after == before, "measuring a match split a node or touched one"
 
         @rule(k=st.integers(0, num_slots // 2))
         def evict(self, k: int) -> None:

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from radixserve.model_worker.batch import PenaltyInit, SamplingBatchInfo
-from radixserve.model_worker.sampler import Sampler, _filter, mix64
+from radixserve.model_worker.batch import SamplingBatchInfo
+from radixserve.model_worker.sampler import GREEDY_TEMPERATURE, Sampler, _filter, mix64
+from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
 
 VOCAB = 50
 CPU = torch.device("cpu")
 
 
 def make_info(batch_size: int, **fields: Any) -> SamplingBatchInfo:
-    """`batch_size` rows with SGLang's defaults (temperature 1, no filter, no penalty, no seed),
-    row i in ReqToTokenPool row i. `fields` override any tensor (lists are converted) or
-    `penalty_inits`; the flags follow from the tensors, as the scheduler sets them."""
+    """`batch_size` rows with SGLang's defaults (temperature 1, no filter, no penalty, no seed).
+    `fields` override any tensor (lists are converted), or give `seen`: {row: SeenTokens} of the
+    rows whose penalties read them; the flags follow from the tensors, as the scheduler sets
+    them."""
     n = batch_size
     t: dict[str, torch.Tensor] = {
         "temperatures": torch.ones(n),
@@ -31,25 +34,18 @@ def make_info(batch_size: int, **fields: Any) -> SamplingBatchInfo:
         "seeds": torch.zeros(n, dtype=torch.int64),
         "seeded": torch.zeros(n, dtype=torch.bool),
         "output_index": torch.zeros(n, dtype=torch.int64),
-        "req_rows": torch.arange(n),
-        "emits_token": torch.ones(n, dtype=torch.bool),
         "top_logprobs_nums": torch.zeros(n, dtype=torch.int64),
         "return_logprob": torch.zeros(n, dtype=torch.bool),
     }
-    penalty_inits = fields.pop("penalty_inits", [])
+    seen: dict[int, SeenTokens] = fields.pop("seen", {})
     for name, value in fields.items():
         t[name] = torch.as_tensor(value, dtype=t[name].dtype)
         assert t[name].shape == (n,), name
-    penalised = (
-        (t["repetition_penalties"] != 1)
-        | (t["frequency_penalties"] != 0)
-        | (t["presence_penalties"] != 0)
-    )
+    rows = sorted(seen)
     return SamplingBatchInfo(
         **t,
-        penalty_inits=penalty_inits,
-        is_all_greedy=bool((t["temperatures"] <= 0).all()),
-        has_penalties=bool(penalised.any()),
+        penalty_tokens=penalty_tokens(np.array(rows), [seen[i] for i in rows]) if seen else None,
+        is_all_greedy=bool((t["temperatures"] < GREEDY_TEMPERATURE).all()),
         any_logprob=bool(t["return_logprob"].any()),
     )
 
@@ -66,7 +62,6 @@ def test_all_greedy_fast_path_is_argmax_and_computes_nothing_else() -> None:
     assert out.next_token_ids.dtype == torch.int64
     assert torch.equal(out.next_token_ids, logits.argmax(-1))
     assert out.token_logprobs is None and out.top_logprobs is None
-    assert sampler.penalties.num_rows == 0
     assert torch.equal(sampler.generator.get_state(), before)
 
 
@@ -219,7 +214,7 @@ def test_logprobs_are_log_softmax_of_the_raw_logits() -> None:
         top_ks=[-1, 5, -1, -1, -1, 3],
         # Penalties change the tokens (row 0 no longer takes its argmax), not the logprobs.
         repetition_penalties=[100.0, 1.0, 1.0, 1.0, 1.0, 1.2],
-        penalty_inits=[PenaltyInit(0, logits[0].argmax(-1, keepdim=True).tolist(), [])],
+        seen={0: SeenTokens.of(logits[0].argmax(-1, keepdim=True).tolist(), [])},
         return_logprob=[True, True, True, False, True, True],
         top_logprobs_nums=nums,
     )
@@ -305,3 +300,14 @@ def test_filter_on_a_large_vocabulary_keeps_the_reference_set(sharpness) -> None
         got = set(ids[row][kept].tolist())
         assert got == _reference_kept(probs[row], int(top_ks[row]), float(top_ps[row])), row
         assert torch.equal(values[row][kept], probs[row][ids[row][kept]])
+
+
+def test_a_tiny_temperature_is_greedy() -> None:
+    """Below 1e-5 a temperature means greedy, as in vLLM and SGLang: dividing logits by 1e-38
+    overflows float32, and the softmax of infinities is NaN."""
+    logits = random_logits(4, seed=6) * 10
+    logits[0, 7] = 40.0  # not the first column: a NaN row's argmax would be column 0
+    batch = make_info(4, temperatures=[1e-38, 1e-30, 1.0, 9e-6], seeded=[True, False, True, False])
+    for _ in range(5):
+        out = Sampler(CPU, seed=0)(logits, batch).next_token_ids
+        assert out[[0, 1, 3]].tolist() == logits[[0, 1, 3]].argmax(-1).tolist()

@@ -198,6 +198,11 @@ def test_each_sequence_carries_its_own_sampling_parameters_across_row_reuse():
                 p.get("repetition_penalty", 1.0)
             )
             checked += 1
-        assert len(set(info.req_rows.tolist())) == len(batch.reqs)
+        rows = batch.columns[2].tolist()  # each request's row
+        assert len(set(rows)) == len(batch.reqs)
+        # The batch carries the seen tokens of exactly its penalised requests.
+        penalised = [i for i, r in enumerate(batch.reqs) if "repetition_penalty" in params[r.rid]]
+        seen = info.penalty_tokens
+        assert sorted(set(seen.batch_rows.tolist()) if seen else []) == penalised
         s.outbox = []
     assert checked > 9

@@ -62,7 +62,7 @@ def test_5_no_step_writes_over_kv_a_running_request_holds():
         s.add_request(gen(f"r{i}", _prompt(30 + 7 * i, i), 25))
     rows = s.kv.req_to_token_pool.req_to_token
     while s.has_unfinished():
-        held = {r: set(rows[r.req_pool_idx, : r.num_computed_tokens].tolist()) for r in s.running}
+        held = {r: set(rows[r.kv.row, : r.num_computed_tokens].tolist()) for r in s.running}
         s.step()
         new = set(s.worker.batches[-1].out_cache_loc.tolist())
         # A request retracted in this step gave its KV up; every other one kept it.

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shlex
-import subprocess
-import sys
 
 import msgspec
 import pytest
@@ -13,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from radixserve.client import AsyncClient, Client, ServerError
-from radixserve.client.local_server import REPO_ROOT, launched_server, raw_round_trip
+from radixserve.client.local_server import launched_server, raw_round_trip
 from radixserve.model_worker.model_source import default_model_dir
 
 # Two servers run at once in this module: on a GPU each takes a third of it instead of the
@@ -63,19 +60,6 @@ def test_greedy_tokens_equal_transformers_generate(server, hf_greedy):
             out = c.generate(prompt, sampling_params={"max_new_tokens": 32, "temperature": 0})
             assert out.output_ids == expected, prompt
             assert out.finished and out.meta_info.completion_tokens == len(expected)
-
-
-def test_readme_prompt_command_answers(server):
-    """The README's command that asks the default model something, run as a user runs it."""
-    lines = (REPO_ROOT / "README.md").read_text().splitlines()
-    command = next(
-        line.strip() for line in lines if line.strip().startswith("python3 -m radixserve.client")
-    )
-    port = server.address.rsplit(":", 1)[1]
-    argv = [sys.executable, "-m", "radixserve.client", "--port", port, *shlex.split(command)[3:]]
-    out = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "Paris" in out.stdout
 
 
 def test_concurrent_requests_exact_lengths_and_a_mixed_step(server, tokenizer):

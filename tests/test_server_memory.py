@@ -55,9 +55,9 @@ def test_retraction_and_eviction_under_a_tiny_kv_pool_keep_every_output(solo_ser
     shared = _prompt(40, 99)  # half the prompts share it: the tree holds it under pressure
     prompts = [
         (shared if i % 2 else []) + _prompt(random.Random(i).randrange(30, 60), i)
-        for i in range(16)
+        for i in range(12)
     ]
-    max_new = 48
+    max_new = 32
     with launched_server(
         *GPU_SHARE, "--dtype", "float32", "--max-total-tokens", "640", "--check-invariants"
     ) as s:

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
+from radixserve.model_worker.model_config import ModelConfig
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
     AbortReq,
@@ -28,6 +28,8 @@ from radixserve.protocol.internal import (
     FlushCacheReq,
     HealthOut,
     HealthReq,
+    ModelInfoOut,
+    ModelInfoReq,
     ReqError,
     ReqStrOut,
     ServerInfoOut,
@@ -44,7 +46,6 @@ from radixserve.protocol.wire import (
     GenerateRequest,
     HealthReply,
     HealthRequest,
-    ModelInfoReply,
     ModelInfoRequest,
     ServerInfoRequest,
 )
@@ -53,6 +54,10 @@ from radixserve.tokenizer_manager import request_log
 from radixserve.tokenizer_manager.inflight import Envelope, InFlight
 from radixserve.tokenizer_manager.outbox import Delivery, Outbox
 from radixserve.tokenizer_manager.request_decoder import ClientError, RequestDecoder
+from radixserve.tokenizer_manager.sampling_defaults import (
+    apply_sampling_defaults,
+    load_sampling_defaults,
+)
 from radixserve.tokenizer_manager.tokenization import PromptTooLong, Tokenization
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
@@ -65,14 +70,12 @@ FINAL_FLUSH_S = 2.0  # at shutdown, how long the last replies may take to leave
 class TokenizerManager:
     def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str):
         self.args = args
-        self.model_path = model_path
-        self.model_config = ModelConfig.from_dir(model_path)
-        self.context_len = args.context_length or self.model_config.max_position_embeddings
-        # As the scheduler resolves it, for model_info.
-        self.dtype = resolve_dtype(
-            args.dtype, resolve_device(args.device), checkpoint_dtype=self.model_config.dtype
-        )
-        self.tokenization = Tokenization(model_path, self.model_config.vocab_size, self.context_len)
+        model_config = ModelConfig.from_dir(model_path)
+        # An upper bound on the prompt, to refuse text too long before tokenizing it; the
+        # scheduler, which owns the context length, checks the token count.
+        context_len = args.context_length or model_config.max_position_embeddings
+        self.tokenization = Tokenization(model_path, model_config.vocab_size, context_len)
+        self.sampling_defaults = load_sampling_defaults(model_path, args.sampling_defaults)
         self.ctx = zmq.asyncio.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -107,7 +110,9 @@ class TokenizerManager:
                 await self.reply_error(envelope, ClientError("invalid_request", _ONE_FRAME))
                 continue
             try:
-                await self.handle_request(envelope, self.decoder.decode(frames[-1]))
+                req = self.decoder.decode(frames[-1])
+                req = apply_sampling_defaults(req, frames[-1], self.sampling_defaults)
+                await self.handle_request(envelope, req)
             except ClientError as e:
                 await self.reply_error(envelope, e)
             except Exception as e:  # a bug must cost this client its request, not the server
@@ -125,7 +130,7 @@ class TokenizerManager:
                     raise ClientError("not_found", f"no request {rid!r} is in flight", rid)
                 await self.abort(self.inflight.live_ids(request))
             case ModelInfoRequest():
-                await self.reply(envelope, self.model_info())
+                await self.forward_query(envelope, ModelInfoReq)
             case HealthRequest():
                 await self.forward_query(envelope, HealthReq)
             case ServerInfoRequest():
@@ -168,16 +173,6 @@ class TokenizerManager:
         self.pending_queries[qid] = envelope
         await self.send_to_scheduler.send(self.codec.encode(query_type(qid)))
 
-    def model_info(self) -> ModelInfoReply:
-        cfg = self.model_config
-        return ModelInfoReply(
-            model_path=self.model_path,
-            architecture=cfg.architecture,
-            context_length=self.context_len,
-            vocab_size=cfg.vocab_size,
-            dtype=str(self.dtype).removeprefix("torch."),
-        )
-
     async def abort(self, ids: list[str]) -> None:
         for cid in ids:
             await self.send_to_scheduler.send(self.codec.encode(AbortReq(cid)))
@@ -199,6 +194,8 @@ class TokenizerManager:
                     await self.answer_query(qid, FlushCacheReply(ok, message))
                 case HealthOut(query_id=qid):
                     await self.answer_query(qid, HealthReply())
+                case ModelInfoOut(query_id=qid, info=info):
+                    await self.answer_query(qid, info)
 
     async def handle_output(self, out: ReqStrOut) -> None:
         completion = self.inflight.completions.get(out.rid)

@@ -22,6 +22,10 @@ class CausalLM(nn.Module, ABC):
         """float32 logits [N, vocab_size] of the given rows only."""
 
     @abstractmethod
+    def quantize_int8(self) -> None:
+        """Replace every linear layer's weight, and the LM head's, by an int8 copy."""
+
+    @abstractmethod
     def param_for_checkpoint_name(self, name: str) -> tuple[str, int] | None:
         """Our parameter, and the piece of it, that a checkpoint tensor fills; None to skip it."""
 

@@ -7,18 +7,17 @@ q/k/v run as one matmul, and so do gate/up: fewer, larger matmuls are faster, on
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model_worker.attention import AttentionBackend
 from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.fused_ops import TorchOps
 from radixserve.model_worker.layers import (
     ColumnParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rotary,
 )
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.models.base import CausalLM
@@ -42,12 +41,14 @@ class LlamaAttention(nn.Module):
         *,
         tp: TPGroup,
         attn_backend: AttentionBackend,
+        ops: TorchOps,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
         self.layer_id = layer_id
         self.attn_backend = attn_backend
+        self.ops = ops
         self.head_dim = config.head_dim
         _, self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
         _, self.num_kv_heads = tp.shard(config.num_key_value_heads, "num_key_value_heads")
@@ -58,18 +59,25 @@ class LlamaAttention(nn.Module):
             (q_size, kv_size, kv_size),
             bias=config.qkv_bias,
             tp=tp,
+            ops=ops,
             dtype=dtype,
             device=device,
         )
         self.o_proj = RowParallelLinear(
-            q_size, config.hidden_size, bias=config.o_proj_bias, tp=tp, dtype=dtype, device=device
+            q_size,
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            tp=tp,
+            ops=ops,
+            dtype=dtype,
+            device=device,
         )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
             eps = config.rms_norm_eps
-            self.q_norm = RMSNorm(config.head_dim, eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(config.head_dim, eps, dtype=dtype, device=device)
+            self.q_norm = RMSNorm(config.head_dim, eps, ops=ops, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(config.head_dim, eps, ops=ops, dtype=dtype, device=device)
 
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
@@ -82,35 +90,45 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.ops.rotary(q, k, cos, sin)
         out = self.attn_backend.forward(q, k, v, self.layer_id, fb)
         return self.o_proj(out.reshape(-1, q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, config: ModelConfig, *, tp: TPGroup, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        *,
+        tp: TPGroup,
+        ops: TorchOps,
+        dtype: torch.dtype,
+        device: torch.device,
     ):
         super().__init__()
+        self.ops = ops
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size,
             (inter, inter),
             bias=config.mlp_bias,
             tp=tp,
+            ops=ops,
             dtype=dtype,
             device=device,
         )
         self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, bias=config.mlp_bias, tp=tp, dtype=dtype, device=device
+            inter,
+            config.hidden_size,
+            bias=config.mlp_bias,
+            tp=tp,
+            ops=ops,
+            dtype=dtype,
+            device=device,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Contiguous halves: silu, the product and down_proj then run on dense rows (a decode step
-        # of 64 sequences 2-5% faster on the 2-core CPU than chunking one fused output). In place:
-        # at prefill sizes each temporary [T, inter] costs more in fresh memory than the arithmetic.
-        gate, up = self.gate_up_proj.forward_pieces(x)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -121,25 +139,39 @@ class LlamaDecoderLayer(nn.Module):
         *,
         tp: TPGroup,
         attn_backend: AttentionBackend,
+        ops: TorchOps,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        eps, size = config.rms_norm_eps, config.hidden_size
+        self.input_layernorm = RMSNorm(size, eps, ops=ops, dtype=dtype, device=device)
         self.self_attn = LlamaAttention(
-            config, layer_id, tp=tp, attn_backend=attn_backend, dtype=dtype, device=device
+            config,
+            layer_id,
+            tp=tp,
+            attn_backend=attn_backend,
+            ops=ops,
+            dtype=dtype,
+            device=device,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = LlamaMLP(config, tp=tp, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(size, eps, ops=ops, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, tp=tp, ops=ops, dtype=dtype, device=device)
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        fb: ForwardBatch,
     ) -> torch.Tensor:
-        # `hidden` is this forward's own tensor (fresh from the embedding): added to in place.
-        hidden += self.self_attn(self.input_layernorm(hidden), cos, sin, fb)
-        hidden += self.mlp(self.post_attention_layernorm(hidden))
-        return hidden
+        """hidden: the previous layer's output, not yet added to `residual` (the running sum,
+        updated in place). Returns this layer's output, likewise not yet added."""
+        hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, fb)
+        hidden = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden)
 
 
 class LlamaModel(nn.Module):
@@ -149,30 +181,36 @@ class LlamaModel(nn.Module):
         *,
         tp: TPGroup,
         attn_backend: AttentionBackend,
+        ops: TorchOps,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
+            config.vocab_size, config.hidden_size, tp=tp, ops=ops, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                config, i, tp=tp, attn_backend=attn_backend, dtype=dtype, device=device
+                config, i, tp=tp, attn_backend=attn_backend, ops=ops, dtype=dtype, device=device
             )
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, ops=ops, dtype=dtype, device=device
+        )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
     ) -> torch.Tensor:
+        # The residual stream starts at zero so that every layer adds its input to it the same way
+        # (fused into that layer's first norm).
         hidden = self.embed_tokens(input_ids)
+        residual = torch.zeros_like(hidden)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, fb)
-        return self.norm(hidden)
+            hidden = layer(hidden, residual, cos, sin, fb)
+        return self.norm(hidden, residual)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -182,19 +220,20 @@ class LlamaForCausalLM(CausalLM):
         *,
         tp: TPGroup,
         attn_backend: AttentionBackend,
+        ops: TorchOps,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
         self.config = config
         self.model = LlamaModel(
-            config, tp=tp, attn_backend=attn_backend, dtype=dtype, device=device
+            config, tp=tp, attn_backend=attn_backend, ops=ops, dtype=dtype, device=device
         )
         self.lm_head = (
             self.model.embed_tokens
             if config.tie_word_embeddings
             else VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
+                config.vocab_size, config.hidden_size, tp=tp, ops=ops, dtype=dtype, device=device
             )
         )
 
@@ -205,6 +244,12 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_rows)
+
+    def quantize_int8(self) -> None:
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                module.quantize_int8()
+        self.lm_head.quantize_int8()
 
     def param_for_checkpoint_name(self, name: str) -> tuple[str, int] | None:
         if name == "lm_head.weight" and self.config.tie_word_embeddings:

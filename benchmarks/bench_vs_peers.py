@@ -1,0 +1,314 @@
+"""radixserve against vLLM's OpenAI server on the same model directory, taking turns.
+
+    python benchmarks/bench_vs_peers.py [--rounds 2] [--server-args "--quantization int8"]
+        [--vllm-python /work/peers/vllm/bin/python]   (or RADIXSERVE_VLLM_PYTHON)
+
+Both servers are started once and warmed up; then, round after round, each gets the same
+requests in turn while the other idles. Two workloads: --num-requests sent at once (128-token
+prompts of random ids, 128 new tokens, ignore_eos, greedy, streaming), and --latency-requests
+sent one at a time. Prints output tok/s, TTFT p50/p99, ITL p50 (over every gap between two
+streamed tokens) and the ratios of the medians over rounds, beside the time to read every weight
+byte once: the floor of a decode step at concurrency 1. Without a vLLM install, radixserve runs
+alone. vLLM speaks HTTP (OpenAI completions, server-sent events); its client here is plain
+asyncio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench_serving import make_prompts
+from weight_streaming import weight_streaming_seconds
+
+from radixserve.client import AsyncClient
+from radixserve.client.local_server import free_port, launched_server
+from radixserve.model_worker.model_source import resolve_model_path
+
+DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
+# vLLM's CPU backend as the issue runs it: both cores, no core reserved, a 2 GiB KV cache.
+VLLM_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+}
+
+
+@dataclass
+class Timing:
+    sent: float
+    chunks: list[float] = field(default_factory=list)  # arrival of each streamed chunk
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens each chunk carried
+    tokens: int = 0
+
+    def add_chunk(self, tokens: int) -> None:
+        self.chunks.append(time.perf_counter())
+        self.chunk_tokens.append(tokens)
+
+    def inter_token_latencies(self) -> list[float]:
+        """A chunk of n tokens after a gap g counts as n tokens g / n apart."""
+        gaps = []
+        for prev, now, n in zip(self.chunks, self.chunks[1:], self.chunk_tokens[1:]):
+            gaps += [(now - prev) / n] * n
+        return gaps
+
+
+@dataclass
+class Run:
+    engine: str
+    duration: float
+    timings: list[Timing]
+
+    @property
+    def throughput(self) -> float:
+        return sum(t.tokens for t in self.timings) / self.duration
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [t.chunks[0] - t.sent for t in self.timings]
+
+    @property
+    def itl_p50(self) -> float:
+        return statistics.median(g for t in self.timings for g in t.inter_token_latencies())
+
+
+Send = Callable[[list[int], int], Awaitable[Timing]]
+
+
+def radixserve_sender(client: AsyncClient) -> Send:
+    async def send(ids: list[int], new: int) -> Timing:
+        params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+        timing = Timing(sent=time.perf_counter())
+        async for chunk in client.stream(input_ids=ids, sampling_params=params):
+            if chunk.output_ids:
+                timing.add_chunk(len(chunk.output_ids))
+            timing.tokens += len(chunk.output_ids)
+        return timing
+
+    return send
+
+
+def vllm_sender(port: int, model: str) -> Send:
+    async def send(ids: list[int], new: int) -> Timing:
+        body = json.dumps(
+            {
+                "model": model,
+                "prompt": ids,
+                "max_tokens": new,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        ).encode()
+        timing = Timing(sent=time.perf_counter())
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise RuntimeError(f"vLLM answered {status!r}: {await reader.read(2000)!r}")
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass  # headers
+        async for event in _sse_events(reader):
+            if event == "[DONE]":
+                break
+            data = json.loads(event)
+            if data.get("usage"):
+                timing.tokens = data["usage"]["completion_tokens"]
+            if data.get("choices") and data["choices"][0].get("text"):
+                timing.add_chunk(1)  # vLLM streams one token per event
+        writer.close()
+        return timing
+
+    return send
+
+
+async def _sse_events(reader: asyncio.StreamReader):
+    """The `data:` payloads of a chunked (Transfer-Encoding) server-sent-event stream."""
+    buffer = b""
+    while True:
+        size = int((await reader.readline()).strip() or b"0", 16)
+        if size == 0:
+            return
+        buffer += await reader.readexactly(size)
+        await reader.readexactly(2)  # the chunk's CRLF
+        *events, buffer = buffer.split(b"\n\n")
+        for event in events:
+            for line in event.decode().splitlines():
+                if line.startswith("data:"):
+                    yield line[5:].strip()
+
+
+async def concurrent(send: Send, prompts: list[list[int]], new: int, engine: str) -> Run:
+    start = time.perf_counter()
+    timings = await asyncio.gather(*(send(ids, new) for ids in prompts))
+    return Run(engine, time.perf_counter() - start, list(timings))
+
+
+async def one_at_a_time(send: Send, prompts: list[list[int]], new: int, engine: str) -> Run:
+    start = time.perf_counter()
+    timings = [await send(ids, new) for ids in prompts]
+    return Run(engine, time.perf_counter() - start, timings)
+
+
+@contextmanager
+def vllm_server(python: str, model_dir: str, timeout: float) -> Iterator[int]:
+    port = free_port()
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_dir, "--dtype", "float32", "--max-model-len", "1024",
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
+        "--no-enable-prefix-caching", "--port", str(port),
+    ]  # fmt: skip
+    log_path = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV}, cwd="/"
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited: {log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM not healthy after {timeout}s ({log_path})") from None
+                time.sleep(2)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_path.unlink()
+
+
+def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | None) -> None:
+    print(f"\n{title}\n")
+    print("| run | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | total (s) |")
+    print("|---|---|---|---|---|---|")
+    for engine, rs in runs.items():
+        for i, r in enumerate(rs):
+            q = statistics.quantiles(r.ttfts, n=100) if len(r.ttfts) > 1 else r.ttfts * 99
+            print(
+                f"| {engine}, round {i + 1} | {r.throughput:.1f} | "
+                f"{statistics.median(r.ttfts):.2f} | {q[98]:.2f} | {r.itl_p50 * 1e3:.1f} | "
+                f"{r.duration:.1f} |"
+            )
+    med = {
+        e: {
+            "tok/s": statistics.median(r.throughput for r in rs),
+            "TTFT p50": statistics.median(statistics.median(r.ttfts) for r in rs),
+            "ITL p50": statistics.median(r.itl_p50 for r in rs),
+        }
+        for e, rs in runs.items()
+    }
+    for e, m in med.items():
+        print(
+            f"- {e} (medians over rounds): {m['tok/s']:.1f} tok/s, TTFT p50 {m['TTFT p50']:.2f} s"
+            f", ITL p50 {m['ITL p50'] * 1e3:.1f} ms"
+        )
+    if stream_s is not None:
+        for e, m in med.items():
+            ratio = m["ITL p50"] / stream_s
+            print(f"- {e}: ITL p50 / weight streaming ({stream_s * 1e3:.1f} ms) = {ratio:.2f}x")
+    if "vllm" in med:
+        ours, peer = med["radixserve"], med["vllm"]
+        print(
+            f"- radixserve / vLLM: throughput {ours['tok/s'] / peer['tok/s']:.2f}x, "
+            f"TTFT p50 {ours['TTFT p50'] / peer['TTFT p50']:.2f}x, "
+            f"ITL p50 {ours['ITL p50'] / peer['ITL p50']:.2f}x"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--latency-requests", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--server-args", default="", help="extra radixserve flags, one string")
+    parser.add_argument(
+        "--vllm-python",
+        default=os.environ.get("RADIXSERVE_VLLM_PYTHON", DEFAULT_VLLM_PYTHON),
+        help="python of a venv with vllm-cpu (default: $RADIXSERVE_VLLM_PYTHON or "
+        f"{DEFAULT_VLLM_PYTHON}); radixserve runs alone when it is missing",
+    )
+    parser.add_argument("--vllm-start-timeout", type=float, default=900)
+    args = parser.parse_args()
+
+    model_dir = resolve_model_path(args.model)
+    stream_s = weight_streaming_seconds(model_dir)
+    print(f"weight streaming (every weight byte read once, float32): {stream_s * 1e3:.1f} ms")
+    prompts = make_prompts(args.num_requests, args.input_len, vocab=49152)
+    solo = prompts[: args.latency_requests]
+    new = args.output_len
+    have_vllm = Path(args.vllm_python).is_file()
+    if not have_vllm:
+        print(f"no vLLM at {args.vllm_python}: radixserve alone", file=sys.stderr)
+    ours_flags = ["--model", model_dir, "--disable-radix-cache", *args.server_args.split()]
+    results: dict[str, dict[str, list[Run]]] = {"concurrent": {}, "latency": {}}
+    with launched_server(*ours_flags) as ours, _maybe(have_vllm, args, model_dir) as vllm_port:
+
+        async def rounds() -> None:
+            async with AsyncClient(ours.address, timeout=3600) as client:
+                senders = {"radixserve": radixserve_sender(client)}
+                if vllm_port is not None:
+                    senders["vllm"] = vllm_sender(vllm_port, model_dir)
+                for engine, send in senders.items():  # warm-up: compile, page in, fill pools
+                    await concurrent(send, prompts[:8], 16, engine)
+                for _ in range(args.rounds):
+                    for engine, send in senders.items():
+                        run = await concurrent(send, prompts, new, engine)
+                        results["concurrent"].setdefault(engine, []).append(run)
+                        run = await one_at_a_time(send, solo, new, engine)
+                        results["latency"].setdefault(engine, []).append(run)
+
+        asyncio.run(rounds())
+    print(f"\nserver args: {args.server_args or '(defaults)'}; {args.rounds} rounds")
+    print_workload(
+        f"{args.num_requests} requests at once, {args.input_len}-token prompts, {new} new tokens",
+        results["concurrent"],
+        None,
+    )
+    print_workload(
+        f"1 request at a time ({args.latency_requests} per round), {new} new tokens",
+        results["latency"],
+        stream_s,
+    )
+
+
+@contextmanager
+def _maybe(have_vllm: bool, args: argparse.Namespace, model_dir: str) -> Iterator[int | None]:
+    if not have_vllm:
+        yield None
+        return
+    with vllm_server(args.vllm_python, model_dir, args.vllm_start_timeout) as port:
+        yield port
+
+
+if __name__ == "__main__":
+    main()

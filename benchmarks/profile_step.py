@@ -1,0 +1,97 @@
+"""Where a decode step goes: torch.profiler over decode steps of the default model, in this
+process, per configuration, at 1 and at --batch sequences.
+
+    python benchmarks/profile_step.py [--batch 64 --steps 5] [--backend cpu_attn]
+                                      [--quantization int8]
+
+Prints the wall time of a step, the op categories' self CPU time (matmuls, attention and its KV
+gather, the small ops), what the ops leave unaccounted (Python and dispatch between ops), and
+the top ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from bench_backends import Seqs, forward
+from bench_serving import make_prompts
+
+from radixserve.model_worker.model_runner import ModelRunner
+from radixserve.model_worker.model_source import resolve_model_path
+from radixserve.model_worker.parallel import TPGroup
+from radixserve.process_setup import keep_freed_memory
+
+CATEGORIES = {
+    "matmul": ("aten::addmm", "aten::mm", "radixserve::linear_small_m", "quantized::linear"),
+    "attention": ("aten::_scaled_dot_product", "radixserve::paged_attention", "aten::bmm"),
+    "KV gather and write": ("aten::index_select", "aten::index_put_", "aten::index"),
+}
+
+
+def category(op: str) -> str:
+    for name, prefixes in CATEGORIES.items():
+        if op.startswith(prefixes):
+            return name
+    return "small ops"
+
+
+def profile(runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> None:
+    for i in rows:
+        seqs.tokens[i].append(7)
+    forward(runner, seqs, rows)  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            for i in rows:
+                seqs.tokens[i].append(7)
+            forward(runner, seqs, rows)
+        wall = (time.perf_counter() - start) / steps
+    totals: dict[str, float] = defaultdict(float)
+    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    for e in ops:
+        totals[category(e.key)] += e.self_cpu_time_total / steps / 1e3
+    print(f"\n{len(rows)} sequence(s): step {wall * 1e3:.1f} ms (under the profiler)")
+    for name, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:22s} {ms:8.1f} ms")
+    print(f"  {'not in ops (Python…)':22s} {wall * 1e3 - sum(totals.values()):8.1f} ms")
+    calls = sum(e.count for e in ops) / steps
+    print(f"  ops per step: {calls:.0f}; top:")
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:8]:
+        print(f"    {e.key:40s} {e.self_cpu_time_total / steps / 1e3:7.2f} ms  x{e.count // steps}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--backend", default="cpu_attn")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    keep_freed_memory()
+    runner = ModelRunner(
+        resolve_model_path(args.model),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_total_tokens=args.batch * (128 + args.steps + 3) + 1,
+        mem_fraction_static=0.0,
+        tp=TPGroup(),
+        seed=0,
+        attention_backend=args.backend,
+        quantization=args.quantization,
+    )
+    print(f"{args.backend}, quantization {args.quantization}, threads {torch.get_num_threads()}")
+    prompts = make_prompts(args.batch, 128, 49152)
+    seqs = Seqs([list(p) for p in prompts], [0] * args.batch, 128 + args.steps + 2)
+    with torch.inference_mode():
+        for chunk in range(0, args.batch, 16):
+            forward(runner, seqs, list(range(chunk, min(chunk + 16, args.batch))))
+        profile(runner, seqs, [0], args.steps)
+        profile(runner, seqs, list(range(args.batch)), args.steps)
+
+
+if __name__ == "__main__":
+    main()

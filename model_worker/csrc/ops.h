@@ -1,0 +1,22 @@
+// The operators of the radixserve CPU extension, registered as torch.ops.radixserve.*.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace radixserve {
+
+constexpr int64_t kMaxSmallM = 8;  // rows linear_small_m takes
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& out_cache_loc, const at::Tensor& kv_slots,
+                           const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
+                           double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias);
+
+}  // namespace radixserve

@@ -1,0 +1,25 @@
+// Schemas and CPU implementations of torch.ops.radixserve.*; (a!) marks what an op writes.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(radixserve, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor out_cache_loc, Tensor kv_slots, Tensor prefix_lens, Tensor extend_lens, "
+      "float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
+  m.impl("paged_attention", &radixserve::paged_attention);
+  m.impl("rms_norm", &radixserve::rms_norm);
+  m.impl("fused_add_rms_norm", &radixserve::fused_add_rms_norm);
+  m.impl("rotary_embedding", &radixserve::rotary_embedding);
+  m.impl("silu_and_mul", &radixserve::silu_and_mul);
+  m.impl("linear_small_m", &radixserve::linear_small_m);
+}

@@ -1,0 +1,52 @@
+// Small SIMD helpers over ATen's Vectorized<float>, whose width (8 lanes on AVX2, 16 on AVX-512)
+// is fixed by the CPU_CAPABILITY_* macro the build passes for the CPU it runs on.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+
+namespace radixserve {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+
+inline float hsum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + i + kLanes), Vec::loadu(b + i + kLanes), acc1);
+  }
+  for (; i + kLanes <= n; i += kLanes) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
+  }
+  float sum = hsum(acc0 + acc1);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// y += a * x
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+  const Vec va(a);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    at::vec::fmadd(va, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// y *= a
+inline void scale_inplace(float* y, float a, int64_t n) {
+  const Vec va(a);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) (Vec::loadu(y + i) * va).store(y + i);
+  for (; i < n; ++i) y[i] *= a;
+}
+
+}  // namespace radixserve

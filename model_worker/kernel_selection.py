@@ -1,0 +1,47 @@
+"""Which kernels run the forward: `--attention-backend` picks them for the whole model.
+
+- `torch_native`: eager torch everywhere (SDPA over K/V gathered from the pool); any device and
+  dtype; the reference the others are tested against.
+- `cpu_attn`: the CPU extension (float32 on the CPU): paged attention that reads the pool in
+  place, fused RMSNorm/RoPE/SwiGLU, and a memory-speed linear for a few rows.
+- `auto`: `cpu_attn` where it applies and the extension builds (a failed build is logged, and
+  the server goes on with `torch_native`), else `torch_native`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.model_worker.attention import AttentionBackend, TorchNativeBackend
+from radixserve.model_worker.cpu_attention import CpuAttnBackend
+from radixserve.model_worker.cpu_kernels import cpu_kernels_available
+from radixserve.model_worker.fused_ops import CpuKernelOps, TorchOps
+
+ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_attn")
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    name: str
+    attn_backend: AttentionBackend
+    ops: TorchOps
+
+
+def select_kernels(
+    name: str, num_heads: int, num_kv_heads: int, device: torch.device, dtype: torch.dtype
+) -> Kernels:
+    if name not in ATTENTION_BACKENDS:
+        known = ", ".join(ATTENTION_BACKENDS)
+        raise ValueError(f"unknown attention backend {name!r}; known: {known}")
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    if name == "auto":
+        name = "cpu_attn" if cpu_float32 and cpu_kernels_available() else "torch_native"
+    if name == "torch_native":
+        return Kernels(name, TorchNativeBackend(num_heads, num_kv_heads), TorchOps())
+    if not cpu_float32:
+        raise ValueError(
+            f"--attention-backend cpu_attn runs float32 on the CPU, not {dtype} on {device}"
+        )
+    return Kernels(name, CpuAttnBackend(num_heads, num_kv_heads), CpuKernelOps())

@@ -1,0 +1,24 @@
+"""SchedulerConfig: the scheduler's settings, resolved from the server arguments once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_total_tokens: int  # usable KV slots
+    max_running_requests: int
+    # Token budget of one step: prompt tokens plus one per decoding request, as SGLang counts it
+    # when prefills and decodes share a step (--enable-mixed-chunk); ours always may.
+    max_prefill_tokens: int
+    # Prompt tokens computed in one step, over all its requests (SGLang's chunked_prefill_size):
+    # a longer prompt, or a longer queue of them, is prefilled over several steps.
+    chunked_prefill_size: int
+    context_len: int
+    eos_token_ids: frozenset[int]
+    log_interval: int = 40
+    check_invariants: bool = False
+    enable_radix_cache: bool = True
+    page_size: int = 1
+    schedule_policy: str = "fcfs"  # or "lpm": longest prefix match first

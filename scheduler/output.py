@@ -1,0 +1,47 @@
+"""Output framing: what a step hands the detokenizer for each request (ReqTokenOut), and the
+logprobs each real output token keeps."""
+
+from __future__ import annotations
+
+from radixserve.model_worker.batch import SampleOutput
+from radixserve.protocol.internal import ReqTokenOut
+from radixserve.scheduler.req import Req
+from radixserve.scheduler.schedule_batch import ScheduleBatch
+
+
+def next_output(req: Req) -> ReqTokenOut:
+    """Req's outputs since its previous one, with its counters and what the detokenizer needs;
+    they count as sent from now on (`num_sent_tokens`, which only this writes)."""
+    sent = req.num_sent_tokens
+    outputs = req.output_ids
+    req.num_sent_tokens = len(outputs)
+    params = req.sampling_params
+    # Positional arguments: this runs for every streaming request on every step.
+    return ReqTokenOut(
+        req.rid,
+        outputs[sent:],
+        req.finished_reason,
+        len(req.origin_input_ids),
+        len(outputs),
+        req.cached_tokens,
+        params.skip_special_tokens,
+        params.stop,
+        req.output_token_logprobs[sent:] if req.return_logprob else None,
+        req.output_top_logprobs[sent:] if req.top_logprobs_num else None,
+    )
+
+
+def record_logprobs(batch: ScheduleBatch, result: SampleOutput) -> None:
+    """Keep the logprobs of each real output token, for requests that asked for them."""
+    assert result.token_logprobs is not None
+    token_logprobs = result.token_logprobs.tolist()
+    top_values = result.top_logprobs.tolist() if result.top_logprobs is not None else []
+    top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else []
+    tokens = result.next_token_ids.tolist()
+    for i, (req, emits) in enumerate(zip(batch.reqs, batch.emits)):
+        if not req.return_logprob or not emits:
+            continue
+        req.output_token_logprobs.append((token_logprobs[i], tokens[i]))
+        if req.top_logprobs_num:
+            k = req.top_logprobs_num
+            req.output_top_logprobs.append(list(zip(top_values[i][:k], top_ids[i][:k])))

@@ -1,0 +1,128 @@
+"""The CPU extension (model_worker/csrc) against the torch reference it replaces: paged attention
+against the torch_native backend on a mixed batch, each fused op against TorchOps, and proof
+from the profiler that a forward with `cpu_attn` runs the extension's ops and no SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention import make_batch, run_backend
+
+from radixserve.model_worker.fused_ops import CpuKernelOps, TorchOps
+from radixserve.model_worker.kernel_selection import select_kernels
+from radixserve.model_worker.kv_pool import TokenToKVPool
+from radixserve.model_worker.model_runner import ModelRunner
+from radixserve.model_worker.parallel import TPGroup
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel_ops() -> CpuKernelOps:
+    select_kernels("cpu_attn", 4, 2, CPU, torch.float32)  # builds the extension (cached)
+    return CpuKernelOps()
+
+
+def test_paged_attention_equals_torch_native(kernel_ops) -> None:
+    """SmolLM2's heads (9 query, 3 KV, head_dim 64); contexts long enough for several key blocks
+    and query blocks per sequence; decodes, a fresh prefill, chunks over cached prefixes, and a
+    prefix hit whose one new token is not a decode of a running request."""
+    heads, kv_heads, head_dim, num_slots = 9, 3, 64, 2048
+    lens = [(150, 1), (0, 70), (5, 1), (200, 33), (64, 1), (130, 64), (0, 1), (97, 1)]
+    outs, pools = [], []
+    for name in ("torch_native", "cpu_attn"):
+        pool = TokenToKVPool(num_slots, 1, kv_heads, head_dim, dtype=torch.float32, device=CPU)
+        case = make_batch(pool, lens, heads, torch.Generator().manual_seed(1))
+        outs.append(run_backend(name, case))
+        pools.append(pool)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(pools[1].k_buffers[0], pools[0].k_buffers[0])
+    assert torch.equal(pools[1].v_buffers[0], pools[0].v_buffers[0])
+
+
+def test_paged_attention_rejects_slots_outside_the_pool(kernel_ops) -> None:
+    pool = TokenToKVPool(64, 1, 2, 16, dtype=torch.float32, device=CPU)
+    case = make_batch(pool, [(3, 1)], 4, torch.Generator().manual_seed(0))
+    case.fb.kv_slots[0, 0] = 64
+    attn = select_kernels("cpu_attn", 4, 2, CPU, torch.float32).attn_backend
+    with pytest.raises(IndexError, match="kv_slots"):
+        attn.init_forward_metadata(case.fb)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 33])
+def test_fused_ops_equal_torch(kernel_ops, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    ref = TorchOps()
+    hidden = 100  # not a multiple of the vector width: the tails run too
+    x = torch.randn(rows, hidden, generator=gen)
+    w = torch.randn(hidden, generator=gen)
+    torch.testing.assert_close(kernel_ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+
+    res_a = torch.randn(rows, hidden, generator=gen)
+    res_b = res_a.clone()
+    out_ref = ref.add_rms_norm(x.clone(), res_a, w, 1e-6)
+    out = kernel_ops.add_rms_norm(x.clone(), res_b, w, 1e-6)
+    torch.testing.assert_close(res_b, res_a)
+    torch.testing.assert_close(out, out_ref)
+
+    # q and k as views into one fused projection, as the model makes them; per-head norm on them
+    qkv = torch.randn(rows, (6 + 2 + 2) * 16, generator=gen)
+    q, k, _ = qkv.split((96, 32, 32), dim=-1)
+    q, k = q.view(rows, 6, 16), k.view(rows, 2, 16)
+    wh = torch.randn(16, generator=gen)
+    torch.testing.assert_close(kernel_ops.rms_norm(q, wh, 1e-6), ref.rms_norm(q, wh, 1e-6))
+    angles = torch.randn(rows, 8, generator=gen)
+    cos, sin = angles.cos(), angles.sin()
+    expected = ref.rotary(q.clone(), k.clone(), cos, sin)
+    got = kernel_ops.rotary(q, k, cos, sin)
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
+
+    gate_up = torch.randn(rows, 2 * 50, generator=gen)
+    torch.testing.assert_close(kernel_ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+
+    weight = torch.randn(37, hidden, generator=gen)
+    bias = torch.randn(37, generator=gen)
+    for b in (None, bias):
+        torch.testing.assert_close(
+            kernel_ops.linear(x, weight, b), ref.linear(x, weight, b), atol=1e-4, rtol=1e-5
+        )
+
+
+def test_cpu_attn_forward_runs_the_extension(tiny_model) -> None:
+    """The profiler names the ops a forward ran: the extension's, and no SDPA."""
+    runner = ModelRunner(
+        str(tiny_model("qwen3")),
+        dtype=torch.float32,
+        device=CPU,
+        max_total_tokens=64,
+        mem_fraction_static=0.0,
+        tp=TPGroup(),
+        seed=0,
+        attention_backend="cpu_attn",
+    )
+    fb_batch = _one_prompt_batch(6)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        runner.forward_logits(fb_batch)
+    ran = {e.key for e in prof.key_averages()}
+    for op in ("paged_attention", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
+        assert f"radixserve::{op}" in ran
+    assert "radixserve::linear_small_m" in ran  # the one-row LM head
+    assert "aten::scaled_dot_product_attention" not in ran
+
+
+def _one_prompt_batch(n: int):
+    from test_sampler import make_info
+
+    from radixserve.model_worker.batch import ModelWorkerBatch
+
+    slots = torch.arange(1, n + 1)
+    return ModelWorkerBatch(
+        input_ids=torch.arange(3, 3 + n),
+        positions=torch.arange(n),
+        out_cache_loc=slots,
+        prefix_lens=torch.tensor([0]),
+        extend_lens=torch.tensor([n]),
+        kv_slots=slots[None],
+        sampling=make_info(1),
+    )
