@@ -28,6 +28,7 @@ import msgspec
 from radixserve.model_worker.model_source import ModelNotFound, resolve_model_path
 from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat
 from radixserve.protocol.internal import ProcessReady
+from radixserve.protocol.wire import MAX_API_KEY_CHARS
 from radixserve.server_args import ServerArgs, parse_server_args
 
 logger = logging.getLogger("radixserve")
@@ -189,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.watchdog_timeout < 2 * HEARTBEAT_INTERVAL_S:
         logger.error("--watchdog-timeout must be at least %gs", 2 * HEARTBEAT_INTERVAL_S)
+        return 2
+    # An empty key would turn authentication off in silence; a longer one could never match,
+    # since a request's api_key is refused past that length.
+    if args.api_key is not None and not 0 < len(args.api_key) <= MAX_API_KEY_CHARS:
+        logger.error("--api-key must have 1 to %d characters", MAX_API_KEY_CHARS)
         return 2
     signal.signal(signal.SIGINT, _raise_shutdown)
     signal.signal(signal.SIGTERM, _raise_shutdown)

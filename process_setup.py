@@ -48,9 +48,10 @@ def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1
         force=True,
     )
     _die_with_parent()
-    # launch.py's SIGTERM must end us at once, even inside a blocking receive. Ctrl-C reaches the
-    # whole process group; launch.py alone decides how to stop us, so it is ignored here.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # launch.py alone decides how to stop us (SIGKILL once the tokenizer manager has drained):
+    # a SIGTERM or Ctrl-C sent to the whole process group (systemd's default, kill -TERM -PGID)
+    # must not end the scheduler under a drain. The tokenizer manager installs its own SIGTERM.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by launch.py's start
     # Every process imports torch (transformers does); its default pool would compete for the

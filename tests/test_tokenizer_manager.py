@@ -159,6 +159,45 @@ def test_a_reader_too_slow_for_the_backlog_bound_is_aborted(tiny_served_model):
     asyncio.run(scenario())
 
 
+def test_a_final_reply_waiting_for_a_slow_reader_is_never_lost(tiny_served_model):
+    """A request already answered, its final reply still waiting in the backlog when another
+    request pushes the backlog over the bound: it still gets one final reply (an error)."""
+    steps = 6000
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, max_reply_backlog_bytes=200_000) as h:
+            client = h.client(**SMALL_BUFFERS)
+            await send(client, **generate("flood", max_new_tokens=steps))
+            flooding = await h.to_scheduler()
+            await send(client, **generate("owed", stream=False, max_new_tokens=1))
+            owed = await h.to_scheduler()
+            for i in range(steps):  # until a backlog forms: the owed final waits behind it
+                await h.output(flooding.rid, [i % 100], None, LONG_TEXT)
+                if i % 10 == 9:  # so the backlog holds well under the bound then
+                    await asyncio.sleep(0.02)
+                    if h.manager.outbox.backlogs:
+                        break
+            assert h.manager.outbox.backlogs, "the test did not get past the queue"
+            await h.output(owed.rid, [1], LENGTH)
+            await asyncio.sleep(0.05)
+            # Answered, its final queued behind the backlog.
+            assert all("owed" not in of_client for of_client in h.manager.inflight.by_peer.values())
+            await flood(h, flooding.rid, steps)
+            finals: dict[str, list[dict]] = {"flood": [], "owed": []}
+            while not all(finals.values()):
+                reply = await receive(client)
+                if reply["type"] == "error" or reply["finished"]:
+                    finals[reply["rid"]].append(reply)
+            await asyncio.sleep(0.2)
+            while await client.poll(0):  # nothing more than one final each
+                reply = await receive(client)
+                assert reply["type"] != "error" and not reply["finished"], reply
+            assert [r["code"] for r in finals["flood"]] == ["overloaded"]
+            assert len(finals["owed"]) == 1
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize(
     "frames",
     [
@@ -172,8 +211,9 @@ def test_multipart_requests_are_refused_without_echoing_them(tiny_served_model, 
             client = h.client()
             await client.send_multipart(frames)
             reply = await asyncio.wait_for(client.recv_multipart(), 10)
-            assert len(reply) == 1  # only the routing id was kept as the envelope
-            error = msgspec.msgpack.decode(reply[0])
+            # Only the routing id was kept as the envelope, and a REQ socket's empty delimiter.
+            assert reply[:-1] == ([b""] if frames[0] == b"" else [])
+            error = msgspec.msgpack.decode(reply[-1])
             assert error["type"] == "error" and "one frame" in error["message"]
 
     asyncio.run(scenario())

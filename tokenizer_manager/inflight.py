@@ -25,7 +25,7 @@ Envelope = list[bytes]
 
 
 @dataclass(slots=True, eq=False)
-class ClientRequest:
+class InFlightRequest:
     """One `generate` of one client: n completions answering under the client's rid."""
 
     envelope: Envelope  # the ROUTER envelope its replies go to; envelope[0] names the client
@@ -45,7 +45,7 @@ class ClientRequest:
 class Completion:
     """One completion at the scheduler. Not streaming, it gathers its pieces until finished."""
 
-    request: ClientRequest
+    request: InFlightRequest
     index: int | None  # which of the n completions; None when n == 1
     text: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
@@ -84,26 +84,26 @@ class Completion:
 class InFlight:
     def __init__(self) -> None:
         self.completions: dict[str, Completion] = {}  # by internal id, until the scheduler's end
-        self.by_peer: dict[bytes, dict[str, ClientRequest]] = {}  # client -> rid -> request
+        self.by_peer: dict[bytes, dict[str, InFlightRequest]] = {}  # client -> rid -> request
         self._next_id = itertools.count()
 
-    def find(self, peer: bytes, rid: str) -> ClientRequest | None:
+    def find(self, peer: bytes, rid: str) -> InFlightRequest | None:
         return self.by_peer.get(peer, {}).get(rid)
 
-    def of_peer(self, peer: bytes) -> list[ClientRequest]:
+    def of_peer(self, peer: bytes) -> list[InFlightRequest]:
         return list(self.by_peer.get(peer, {}).values())
 
-    def open(self, envelope: Envelope, rid: str, stream: bool, n: int) -> ClientRequest | None:
+    def open(self, envelope: Envelope, rid: str, stream: bool, n: int) -> InFlightRequest | None:
         """A new client request with n fresh ids; None if the client has `rid` in flight."""
         requests = self.by_peer.setdefault(envelope[0], {})
         if rid in requests:
             return None
         ids = [f"{next(self._next_id):x}" for _ in range(n)]
-        request = ClientRequest(envelope, rid, stream, ids, open=n)
+        request = InFlightRequest(envelope, rid, stream, ids, open=n)
         requests[rid] = request
         return request
 
-    def start(self, request: ClientRequest) -> list[tuple[str, int | None]]:
+    def start(self, request: InFlightRequest) -> list[tuple[str, int | None]]:
         """Register the request's completions, about to go to the scheduler: (id, index)."""
         n = len(request.ids)
         started = [(cid, i if n > 1 else None) for i, cid in enumerate(request.ids)]
@@ -111,7 +111,7 @@ class InFlight:
             self.completions[cid] = Completion(request, index)
         return started
 
-    def live_ids(self, request: ClientRequest) -> list[str]:
+    def live_ids(self, request: InFlightRequest) -> list[str]:
         """Its completions the scheduler has not ended yet."""
         return [cid for cid in request.ids if cid in self.completions]
 
@@ -119,7 +119,7 @@ class InFlight:
         """The scheduler ended completion `cid` (finished, aborted, or refused)."""
         return self.completions.pop(cid, None)
 
-    def answer(self, request: ClientRequest) -> None:
+    def answer(self, request: InFlightRequest) -> None:
         """The client had its last reply for `request`: its rid may be used again."""
         request.answered = True
         requests = self.by_peer.get(request.peer)

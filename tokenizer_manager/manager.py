@@ -51,7 +51,7 @@ from radixserve.protocol.wire import (
 )
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager import request_log
-from radixserve.tokenizer_manager.inflight import Envelope, InFlight
+from radixserve.tokenizer_manager.inflight import Envelope, InFlight, InFlightRequest
 from radixserve.tokenizer_manager.outbox import Delivery, Outbox
 from radixserve.tokenizer_manager.request_decoder import ClientError, RequestDecoder
 from radixserve.tokenizer_manager.sampling_defaults import (
@@ -80,7 +80,7 @@ class TokenizerManager:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client fails
-        self.router.setsockopt(zmq.MAXMSGSIZE, args.max_request_bytes)  # never held whole
+        self.router.setsockopt(zmq.MAXMSGSIZE, args.max_request_bytes)  # per frame (WIRE.md)
         self.router.bind(f"tcp://{args.host}:{args.port}")
         self.outbox = Outbox(self.router, args.max_reply_backlog_bytes)
         self.send_to_scheduler = transport.connect_push(
@@ -106,7 +106,7 @@ class TokenizerManager:
             # is not ours, and must not be echoed back at the size it came in.
             envelope = frames[:-1]
             if len(envelope) > 2 or envelope[1:] not in ([], [b""]):
-                envelope = frames[:1]
+                envelope = frames[:2] if frames[1] == b"" else frames[:1]
                 await self.reply_error(envelope, ClientError("invalid_request", _ONE_FRAME))
                 continue
             try:
@@ -211,7 +211,7 @@ class TokenizerManager:
             return
         reply = completion.reply(out)
         if reply is not None:
-            await self.reply(request.envelope, reply)
+            await self.reply(request.envelope, reply, request)
         if finished and not request.answered:
             request.open -= 1
             if request.open == 0:
@@ -231,8 +231,11 @@ class TokenizerManager:
     async def drop_client(self, peer: bytes, too_slow: bool = False) -> None:
         """Abort every request of a client that is gone, or that reads too slowly: then each of
         them gets one `overloaded` error in place of the replies it did not read."""
-        self.outbox.drop(peer)
+        lost = self.outbox.drop(peer)
         requests = self.inflight.of_peer(peer)
+        # A request already answered whose last replies were among those thrown away is owed an
+        # error too: every request ends with exactly one final reply.
+        owed = requests + [r for r in lost if isinstance(r, InFlightRequest) and r.answered]
         if too_slow:
             logger.warning(
                 "A client reads too slowly: over %d bytes of replies wait (--max-reply-backlog-"
@@ -242,10 +245,12 @@ class TokenizerManager:
             )
         elif requests:
             logger.info("A client went away. Aborting its %d requests.", len(requests))
-        for request in requests:
+        for request in requests:  # all answered first: a concurrent drop finds none of them
             self.inflight.answer(request)
+        for request in requests:
             await self.abort(self.inflight.live_ids(request))
-            if too_slow:
+        if too_slow:
+            for request in owed:
                 error = ErrorReply("overloaded", _TOO_SLOW, rid=request.rid)
                 self.outbox.send(request.envelope, self.encoder.encode(error))
 
@@ -267,8 +272,10 @@ class TokenizerManager:
             request_log.failed(error.rid, error.code, error.message)
         await self.reply(envelope, ErrorReply(error.code, error.message, rid=error.rid))
 
-    async def reply(self, envelope: Envelope, reply: msgspec.Struct) -> None:
-        match self.outbox.send(envelope, self.encoder.encode(reply)):
+    async def reply(
+        self, envelope: Envelope, reply: msgspec.Struct, request: InFlightRequest | None = None
+    ) -> None:
+        match self.outbox.send(envelope, self.encoder.encode(reply), request):
             case Delivery.GONE:
                 await self.drop_client(envelope[0])
             case Delivery.OVERFLOW:
@@ -296,7 +303,8 @@ class TokenizerManager:
     async def _wait_for_no_completions(self, timeout: float, abort: bool) -> None:
         aborted: set[str] = set()
         deadline = time.monotonic() + timeout
-        while self.inflight.completions and time.monotonic() < deadline:
+        # by_peer: a request whose prompt is still in the tokenizer has no completion yet.
+        while (self.inflight.completions or self.inflight.by_peer) and time.monotonic() < deadline:
             if abort:  # those started meanwhile too: a prompt may have been in the tokenizer
                 late = self.inflight.completions.keys() - aborted
                 await self.abort(list(late))

@@ -26,7 +26,9 @@ class Delivery(enum.Enum):
 
 @dataclass(slots=True)
 class _Backlog:
-    messages: deque[list[bytes]] = field(default_factory=deque)
+    # Each message with what it answers (the manager's request), so that a drop can say whose
+    # replies were lost.
+    messages: deque[tuple[list[bytes], object]] = field(default_factory=deque)
     nbytes: int = 0
 
 
@@ -37,7 +39,7 @@ class Outbox:
         self.backlogs: dict[bytes, _Backlog] = {}  # by the client's routing id
         self.waiting = asyncio.Event()  # set while some backlog is not empty
 
-    def send(self, envelope: list[bytes], data: bytes) -> Delivery:
+    def send(self, envelope: list[bytes], data: bytes, owner: object = None) -> Delivery:
         frames = [*envelope, data]
         backlog = self.backlogs.get(envelope[0])
         if backlog is None:
@@ -46,7 +48,9 @@ class Outbox:
                 return sent
             backlog = self.backlogs[envelope[0]] = _Backlog()
             self.waiting.set()
-        backlog.messages.append(frames)  # behind older ones: a client gets its replies in order
+        backlog.messages.append(
+            (frames, owner)
+        )  # behind older ones: a client gets its replies in order
         backlog.nbytes += len(data)
         return Delivery.OVERFLOW if backlog.nbytes > self.max_backlog_bytes else Delivery.QUEUED
 
@@ -66,17 +70,21 @@ class Outbox:
 
     def _drain(self, backlog: _Backlog) -> Delivery | None:
         while backlog.messages:
-            sent = self._try_send(backlog.messages[0])
+            sent = self._try_send(backlog.messages[0][0])
             if sent is not Delivery.SENT:
                 return sent
-            backlog.nbytes -= len(backlog.messages.popleft()[-1])
+            frames, _ = backlog.messages.popleft()
+            backlog.nbytes -= len(frames[-1])
         return Delivery.SENT
 
-    def drop(self, peer: bytes) -> None:
-        """Forget what waits for `peer`."""
-        self.backlogs.pop(peer, None)
+    def drop(self, peer: bytes) -> list[object]:
+        """Forget what waits for `peer`; returns the owners of what was thrown away."""
+        backlog = self.backlogs.pop(peer, None)
         if not self.backlogs:
             self.waiting.clear()
+        if backlog is None:
+            return []
+        return list(dict.fromkeys(o for _, o in backlog.messages if o is not None))  # each once
 
     def _try_send(self, frames: list[bytes]) -> Delivery | None:
         """SENT or GONE; None when the client's queue is full."""

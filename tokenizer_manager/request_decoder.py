@@ -19,11 +19,16 @@ from radixserve.protocol.wire import (
     HealthRequest,
 )
 
+MAX_ERROR_CHARS = 512
+
 
 class ClientError(Exception):
     """A request refused: the client gets an `error` reply with this code."""
 
     def __init__(self, code: str, message: str, rid: str | None = None):
+        # msgspec's messages quote the offending key or value: never echo or log it whole.
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[:MAX_ERROR_CHARS] + "... (cut)"
         super().__init__(message)
         self.code, self.message, self.rid = code, message, rid
 

@@ -9,12 +9,12 @@ import logging
 import time
 
 from radixserve.protocol.internal import ReqStrOut
-from radixserve.tokenizer_manager.inflight import ClientRequest
+from radixserve.tokenizer_manager.inflight import InFlightRequest
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
 
 
-def finished(request: ClientRequest, index: int | None, out: ReqStrOut) -> None:
+def finished(request: InFlightRequest, index: int | None, out: ReqStrOut) -> None:
     reason = out.finished_reason
     assert reason is not None
     matched = "" if reason.matched is None else f" ({reason.matched!r})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import jinja2
 from transformers import AutoTokenizer
 
 from radixserve.protocol.wire import GenerateRequest
@@ -45,11 +46,14 @@ class Tokenization:
             if self.tokenizer.chat_template is None:
                 raise ValueError("messages: this model has no chat template; send text")
             self._check_length("messages", sum(len(m.content) for m in req.messages))
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in req.messages],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+            except jinja2.TemplateError as e:  # its raise_exception: roles out of order, say
+                raise ValueError(f"messages: the model's chat template refused them: {e}") from None
             # The template already wrote the special tokens (BOS, role markers).
             return self.tokenizer(text, add_special_tokens=False).input_ids
         assert req.text is not None
