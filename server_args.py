@@ -87,7 +87,8 @@ _HELP = {
     "`overloaded` error",
     "max_reply_backlog_bytes": "replies held for a client that reads slower than it asks; past "
     "it, that client's requests are aborted with an `overloaded` error",
-    "api_key": "require this key in the `api_key` field of every request but `health`",
+    "api_key": "require this key in the `api_key` field of every request but `health` (default: "
+    "none, no key)",
     "watchdog_timeout": "seconds a server process may go without a heartbeat before the server "
     "is stopped as hung",
     "shutdown_timeout": "on SIGTERM, seconds that requests in flight may take to finish before "

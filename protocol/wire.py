@@ -198,7 +198,7 @@ class ErrorReply(_Reply, tag="error"):
 
 
 class HealthReply(_Reply, tag="health"):
-    status: str = "ok"
+    status: str  # "ok"; no default, so that it is on the wire (replies omit defaults)
 
 
 class ModelInfoReply(_Reply, tag="model_info"):

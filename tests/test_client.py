@@ -141,7 +141,7 @@ class FakeServer:
         elif isinstance(request, AbortRequest):
             self.aborted.append(request.rid)
         elif isinstance(request, HealthRequest):
-            reply(HealthReply())
+            reply(HealthReply("ok"))
         elif isinstance(request, ServerInfoRequest):
             reply(SERVER_INFO)
         elif isinstance(request, ModelInfoRequest):
@@ -371,7 +371,7 @@ def test_req_socket_speaks_the_same_wire(server):
     sock.connect(server.address)
     try:
         sock.send(codec.encode(HealthRequest()))
-        assert codec.decode(sock.recv()) == HealthReply()
+        assert codec.decode(sock.recv()) == HealthReply("ok")
         sock.send(codec.encode(GenerateRequest(rid="r", text="req")))
         out = codec.decode(sock.recv())
         assert isinstance(out, OutputReply) and out.text == "echo:req" and out.finished
@@ -401,7 +401,7 @@ def test_async_concurrent_calls_are_routed_by_rid(server):
                 assert [c.rid for c in chunks] == [f"s{i}"] * 2
                 assert "".join(c.text for c in chunks) == f"echo:stream-{i}"
                 assert [c.finished for c in chunks] == [False, True]
-            assert results[16:] == [HealthReply(), SERVER_INFO, MODEL_INFO, HealthReply()]
+            assert results[16:] == [HealthReply("ok"), SERVER_INFO, MODEL_INFO, HealthReply("ok")]
 
     asyncio.run(run())
     assert len({frames[0] for frames in server.frames}) == 1  # all over one DEALER

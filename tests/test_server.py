@@ -162,6 +162,9 @@ def test_model_info_and_health(server, tokenizer):
     with Client(server.address, timeout=60) as c:
         info = c.model_info()
         assert c.health().status == "ok"
+    # On the wire too, for clients without our structs' defaults.
+    health = raw_round_trip(server.address, msgspec.msgpack.encode({"type": "health"}))
+    assert health == {"type": "health", "status": "ok"}
     assert info.architecture == "LlamaForCausalLM"
     assert info.dtype == "float32"  # as resolved, not "auto"
     assert info.vocab_size >= len(tokenizer) - 1 and info.context_length == 8192

@@ -193,7 +193,7 @@ class TokenizerManager:
                 case FlushCacheOut(query_id=qid, success=ok, message=message):
                     await self.answer_query(qid, FlushCacheReply(ok, message))
                 case HealthOut(query_id=qid):
-                    await self.answer_query(qid, HealthReply())
+                    await self.answer_query(qid, HealthReply("ok"))
                 case ModelInfoOut(query_id=qid, info=info):
                     await self.answer_query(qid, info)
 
