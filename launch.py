@@ -113,9 +113,13 @@ class Server:
                 proc = sentinels[done[0]]
                 proc.join()
                 return f"{proc.name} exited with code {proc.exitcode}"
-            for proc, heartbeat in zip(self.procs, self.heartbeats):
-                if heartbeat.silence() > timeout:
-                    return f"{proc.name} stopped answering for {timeout:g}s (--watchdog-timeout)"
+            # A hung TP rank soon stops the others too, waiting in a collective: name the one
+            # silent longest, the one that stopped first.
+            proc, heartbeat = max(
+                zip(self.procs, self.heartbeats), key=lambda pair: pair[1].silence()
+            )
+            if heartbeat.silence() > timeout:
+                return f"{proc.name} stopped answering for {timeout:g}s (--watchdog-timeout)"
 
     def drain(self) -> None:
         """Let the tokenizer manager answer every request in flight and exit (its SIGTERM)."""

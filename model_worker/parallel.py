@@ -11,6 +11,8 @@ import torch.distributed as dist
 # A rank waits this long for the others at start (loading a large shard) and in a collective; a
 # dead or hung rank is caught sooner by launch.py's watchdog, which takes the whole server down.
 DIST_TIMEOUT = timedelta(minutes=30)
+# A step's batch is token ids and slots: anything this large is a bug, not a batch.
+MAX_BROADCAST_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,8 @@ class TPGroup:
         n = int(length.item())
         if n == 0:
             return b""
+        if n > MAX_BROADCAST_BYTES:
+            raise ValueError(f"rank 0 broadcasts {n} bytes, over {MAX_BROADCAST_BYTES}")
         if data is not None:
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         else:
