@@ -1,5 +1,5 @@
-"""The pure parts of scale-out: the batch rank 0 broadcasts survives its bytes, and the
-data-parallel routers pick replicas as they should."""
+"""The pure parts of scale-out: the batch rank 0 broadcasts survives its bytes, the
+data-parallel routers pick replicas as they should, and each node knows which ranks it runs."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import torch
 from test_sampler import make_info
 from test_tensor_parallel import make_batch
 
+from radixserve.launch import check_parallel_args, local_placements
 from radixserve.model_worker.batch_codec import decode_batch, encode_batch
 from radixserve.scheduler.dp_controller import sum_server_info
 from radixserve.scheduler.dp_router import PAGE_TOKENS, CacheAwareRouter, RoundRobinRouter
 from radixserve.scheduler.seen_tokens import SeenTokens
+from radixserve.server_args import ServerArgs
 
 
 def assert_same(a: object, b: object) -> None:
@@ -67,3 +69,31 @@ def test_replicas_server_info_sums_and_weights_the_hit_rate() -> None:
     assert (total.running_requests, total.kv_tokens_total, total.prompt_tokens) == (2, 200, 400)
     assert abs(total.cache_hit_rate - (150 + 10) / 400) < 1e-9
     assert [r.dp_rank for r in total.replicas] == [1, 0]
+
+
+def test_each_node_runs_its_share_of_every_replicas_ranks() -> None:
+    args = ServerArgs(tp_size=4, dp_size=2, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
+    assert check_parallel_args(args) is None
+    placed = [(p.dp_rank, p.tp_rank, p.dist_init_addr) for p in local_placements(args)]
+    assert placed == [
+        (0, 2, "10.0.0.1:5000"),
+        (0, 3, "10.0.0.1:5000"),
+        (1, 2, "10.0.0.1:5001"),
+        (1, 3, "10.0.0.1:5001"),
+    ]
+    assert [p.process_name for p in local_placements(args)][2] == "scheduler_dp1_tp2"
+
+
+def test_parallel_flags_that_do_not_fit_are_named() -> None:
+    wrong = {
+        "--tp-size 3 does not split over --nnodes 2": dict(
+            tp_size=3, nnodes=2, dist_init_addr="h:1"
+        ),
+        "--node-rank must be in 0..1": dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"),
+        "needs --dist-init-addr": dict(tp_size=2, nnodes=2),
+        "is not host:port": dict(dist_init_addr="localhost"),
+        "must be at least 1": dict(dp_size=0),
+    }
+    for message, fields_ in wrong.items():
+        mistake = check_parallel_args(ServerArgs(**fields_))
+        assert mistake is not None and message in mistake, (fields_, mistake)
