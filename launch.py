@@ -26,10 +26,10 @@ from typing import Any
 import msgspec
 
 from radixserve.model_worker.model_source import ModelNotFound, resolve_model_path
-from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat
+from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat, free_port
 from radixserve.protocol.internal import ProcessReady
 from radixserve.protocol.wire import MAX_API_KEY_CHARS
-from radixserve.server_args import ServerArgs, parse_server_args
+from radixserve.server_args import RankPlacement, ServerArgs, parse_server_args
 
 logger = logging.getLogger("radixserve")
 
@@ -55,28 +55,38 @@ class Server:
         self.heartbeats: list[Heartbeat] = []
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
+        """This node's model processes (every TP rank it hosts, of every replica); on node 0 also
+        the data-parallel controller (with several replicas), the detokenizer and the tokenizer
+        manager."""
         readers: dict[Connection, mp.Process] = {}
-        for name, target in (
-            ("scheduler", _run_scheduler),
-            ("detokenizer", _run_detokenizer),
-            ("tokenizer_manager", _run_tokenizer_manager),
-        ):
-            reader, writer = ctx.Pipe(duplex=False)
-            heartbeat = Heartbeat(ctx)
-            proc = ctx.Process(
-                target=target,
-                name=name,
-                daemon=True,
-                args=(self.args, self.model_path, self.ipc_dir, writer, heartbeat),
-            )
-            with _sigint_ignored():
-                proc.start()
-                self.procs.append(proc)
-            writer.close()
-            self.heartbeats.append(heartbeat)
-            readers[reader] = proc
+        for placement in local_placements(self.args):
+            target = _run_scheduler if placement.tp_rank == 0 else _run_tp_follower
+            self._start(placement.process_name, target, readers, placement)
+        if self.args.node_rank == 0:
+            if self.args.dp_size > 1:
+                self._start("dp_controller", _run_dp_controller, readers)
+            self._start("detokenizer", _run_detokenizer, readers)
+            self._start("tokenizer_manager", _run_tokenizer_manager, readers)
         self._wait_ready(readers)
+
+    def _start(
+        self, name: str, target: Any, readers: dict[Connection, mp.Process], *extra: Any
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        heartbeat = Heartbeat(ctx)
+        proc = ctx.Process(
+            target=target,
+            name=name,
+            daemon=True,
+            args=(self.args, self.model_path, self.ipc_dir, writer, heartbeat, *extra),
+        )
+        with _sigint_ignored():
+            proc.start()
+            self.procs.append(proc)
+        writer.close()
+        self.heartbeats.append(heartbeat)
+        readers[reader] = proc
 
     def _wait_ready(self, readers: dict[Connection, mp.Process]) -> None:
         pending = dict(readers)
@@ -104,9 +114,13 @@ class Server:
                 proc = sentinels[done[0]]
                 proc.join()
                 return f"{proc.name} exited with code {proc.exitcode}"
-            for proc, heartbeat in zip(self.procs, self.heartbeats):
-                if heartbeat.silence() > timeout:
-                    return f"{proc.name} stopped answering for {timeout:g}s (--watchdog-timeout)"
+            # A hung TP rank soon stops the others too, waiting in a collective: name the one
+            # silent longest, the one that stopped first.
+            proc, heartbeat = max(
+                zip(self.procs, self.heartbeats), key=lambda pair: pair[1].silence()
+            )
+            if heartbeat.silence() > timeout:
+                return f"{proc.name} stopped answering for {timeout:g}s (--watchdog-timeout)"
 
     def drain(self) -> None:
         """Let the tokenizer manager answer every request in flight and exit (its SIGTERM)."""
@@ -136,6 +150,18 @@ def _run_scheduler(*args: Any) -> None:
     run_scheduler_process(*args)
 
 
+def _run_tp_follower(*args: Any) -> None:
+    from radixserve.scheduler.process import run_tp_follower
+
+    run_tp_follower(*args)
+
+
+def _run_dp_controller(*args: Any) -> None:
+    from radixserve.scheduler.dp_controller import run_dp_controller_process
+
+    run_dp_controller_process(*args)
+
+
 def _run_detokenizer(*args: Any) -> None:
     from radixserve.detokenizer.process import run_detokenizer_process
 
@@ -146,6 +172,38 @@ def _run_tokenizer_manager(*args: Any) -> None:
     from radixserve.tokenizer_manager.process import run_tokenizer_manager_process
 
     run_tokenizer_manager_process(*args)
+
+
+def local_placements(args: ServerArgs) -> list[RankPlacement]:
+    """The model processes this node runs: each node hosts an equal, consecutive share of every
+    replica's TP ranks. Replica i's ranks meet at --dist-init-addr's port + i."""
+    if args.dist_init_addr is not None:
+        host, port = args.dist_init_addr.rsplit(":", 1)
+        addrs = [f"{host}:{int(port) + i}" for i in range(args.dp_size)]
+    else:
+        addrs = [f"127.0.0.1:{free_port()}" for _ in range(args.dp_size)]
+    per_node = args.tp_size // args.nnodes
+    first = args.node_rank * per_node
+    return [
+        RankPlacement(dp_rank=dp, tp_rank=tp, dist_init_addr=addrs[dp])
+        for dp in range(args.dp_size)
+        for tp in range(first, first + per_node)
+    ]
+
+
+def check_parallel_args(args: ServerArgs) -> str | None:
+    """Why the parallel flags do not fit together, or None."""
+    if min(args.tp_size, args.dp_size, args.nnodes) < 1:
+        return "--tp-size, --dp-size and --nnodes must be at least 1"
+    if args.tp_size % args.nnodes:
+        return f"--tp-size {args.tp_size} does not split over --nnodes {args.nnodes}"
+    if not 0 <= args.node_rank < args.nnodes:
+        return f"--node-rank must be in 0..{args.nnodes - 1}"
+    if args.nnodes > 1 and args.dist_init_addr is None:
+        return "--nnodes above 1 needs --dist-init-addr (node 0's host:port)"
+    if args.dist_init_addr is not None and not args.dist_init_addr.rpartition(":")[2].isdigit():
+        return f"--dist-init-addr {args.dist_init_addr!r} is not host:port"
+    return None
 
 
 def _warn_if_reachable(args: ServerArgs) -> None:
@@ -196,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_key is not None and not 0 < len(args.api_key) <= MAX_API_KEY_CHARS:
         logger.error("--api-key must have 1 to %d characters", MAX_API_KEY_CHARS)
         return 2
+    mistake = check_parallel_args(args)
+    if mistake is not None:
+        logger.error("%s", mistake)
+        return 2
     signal.signal(signal.SIGINT, _raise_shutdown)
     signal.signal(signal.SIGTERM, _raise_shutdown)
     try:
@@ -211,7 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("IPC directory %s", server.ipc_dir)
     try:
         server.start()
-        logger.info("radixserve ready on tcp://%s:%d (model %s)", args.host, args.port, model_path)
+        if args.node_rank == 0:
+            logger.info(
+                "radixserve ready on tcp://%s:%d (model %s)", args.host, args.port, model_path
+            )
+        else:
+            logger.info("radixserve node %d of %d ready", args.node_rank, args.nnodes)
         reason = server.watch()
         logger.error("%s; shutting down", reason)
         return 1

@@ -8,6 +8,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from multiprocessing.context import SpawnContext
@@ -59,6 +60,13 @@ def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1
     import torch
 
     torch.set_num_threads(torch_threads or os.cpu_count() or 1)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (where a TP group of this machine meets)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -6,6 +6,7 @@ Importing this module must stay cheap: `launch.py --help` parses with it before 
 from __future__ import annotations
 
 import argparse
+import os
 import typing
 
 import msgspec
@@ -30,9 +31,15 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     schedule_policy: str = "fcfs"  # fcfs | lpm (longest prefix match first)
     random_seed: int = 0
     sampling_defaults: str = "model"  # model: generation_config.json fills what a request omits
-    num_threads: int | None = None  # model process threads; default: all cores
+    num_threads: int | None = None  # threads of each model process; default: cores / processes
     attention_backend: str = "auto"  # auto | torch_native | cpu_attn
     quantization: str | None = None  # None | int8
+    tp_size: int = 1  # tensor-parallel ranks, one scheduler process each
+    dp_size: int = 1  # data-parallel replicas, each of --tp-size ranks
+    load_balance_method: str = "round_robin"  # round_robin | cache_aware
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of TP rank 0; default: a free local port
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
@@ -43,6 +50,28 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     log_requests: bool = False
     check_invariants: bool = False  # verify the scheduler's invariants after every step (tests)
     log_level: str = "info"
+
+    @property
+    def threads_per_model_process(self) -> int:
+        """--num-threads, or the cores shared out among this node's model processes."""
+        if self.num_threads is not None:
+            return self.num_threads
+        processes = self.dp_size * self.tp_size // self.nnodes
+        return max(1, (os.cpu_count() or 1) // processes)
+
+
+class RankPlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one model process sits: its replica, its TP rank, and where its TP group meets."""
+
+    dp_rank: int = 0
+    tp_rank: int = 0
+    dist_init_addr: str = ""  # unused with --tp-size 1
+
+    @property
+    def process_name(self) -> str:
+        dp = f"_dp{self.dp_rank}" if self.dp_rank else ""
+        tp = f"_tp{self.tp_rank}" if self.tp_rank else ""
+        return f"scheduler{dp}{tp}"
 
 
 # Every flag's help. A field whose default is None says here what it derives instead.
@@ -75,7 +104,18 @@ _HELP = {
     "request leaves out take the model's generation_config.json values; openai: SGLang's "
     "constant defaults (temperature 1.0, top_p 1.0, top_k -1, min_p 0.0, "
     "repetition_penalty 1.0). A value a request sends always wins",
-    "num_threads": "CPU threads of the model process (default: all cores); the others take one",
+    "num_threads": "CPU threads of each model process, one per TP rank and DP replica (default: "
+    "the cores divided among this node's model processes); the other processes take one",
+    "tp_size": "tensor-parallel size: the model's heads and MLP are split over this many ranks, "
+    "one scheduler process each, in lockstep (gloo on the CPU, NCCL on GPUs)",
+    "dp_size": "data-parallel size: this many independent replicas of the model (each of "
+    "--tp-size ranks), behind one tokenizer manager and a controller that routes requests",
+    "load_balance_method": "how the data-parallel controller picks a replica: round_robin, or "
+    "cache_aware (the replica that already holds the longest prefix of the prompt)",
+    "nnodes": "machines the TP ranks are spread over (--tp-size must be a multiple)",
+    "node_rank": "this machine's rank among --nnodes; node 0 serves the clients",
+    "dist_init_addr": "host:port where the TP ranks meet (node 0's address; replica i uses port + "
+    "i); needed with --nnodes above 1 (default: a free port on 127.0.0.1)",
     "attention_backend": "cpu_attn: the CPU extension (paged attention reading the KV pool in "
     "place, fused small ops), float32 on the CPU; torch_native: eager torch, the reference; auto: "
     "cpu_attn where it applies and builds, else torch_native",
@@ -105,6 +145,7 @@ _CHOICES = {
     "sampling_defaults": ("model", "openai"),
     "attention_backend": ("auto", "torch_native", "cpu_attn"),
     "quantization": ("int8",),
+    "load_balance_method": ("round_robin", "cache_aware"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 

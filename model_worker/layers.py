@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +25,26 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+class CheckpointTensor(Protocol):
+    """A checkpoint tensor, or a lazy view of one that reads from disk only the part indexed:
+    each TP rank reads its own shard alone."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
 class LoadableModule(nn.Module):
     # A layer fusing several checkpoint tensors (q/k/v, gate/up) into one parameter has a piece
     # for each of them.
     num_pieces: int = 1
 
-    def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         """Copy the checkpoint tensor `loaded` into parameter `name` (replicated by default)."""
         param = getattr(self, name)
         _check_shape(param.shape, loaded.shape)
-        param.copy_(loaded)
+        param.copy_(loaded[:])
 
 
 def _check_shape(expected: Sequence[int], got: Sequence[int]) -> None:
@@ -103,7 +114,8 @@ class ColumnParallelLinear(LoadableModule):
     """y = x W^T + b, W's output rows split over ranks; no communication.
 
     `output_sizes` fuses several projections (q/k/v, or gate/up) into one matmul. Each piece is
-    split on its own, so a rank holds its share of every piece, back to back.
+    split on its own, so a rank holds its share of every piece, back to back. `shards` gives each
+    piece's (start, length) on this rank where it is not an equal split (replicated KV heads).
     """
 
     def __init__(
@@ -116,13 +128,16 @@ class ColumnParallelLinear(LoadableModule):
         ops: TorchOps,
         dtype: torch.dtype,
         device: torch.device,
+        shards: Sequence[tuple[int, int]] | None = None,
     ):
         super().__init__()
         self.ops = ops
         self.num_pieces = len(output_sizes)
         self.output_sizes = tuple(output_sizes)
-        self.local_sizes = tuple(tp.shard(n, "output size")[1] for n in output_sizes)
-        self.tp = tp
+        if shards is None:
+            shards = [tp.shard(n, "output size") for n in output_sizes]
+        self.starts = tuple(start for start, _ in shards)
+        self.local_sizes = tuple(length for _, length in shards)
         local_out = sum(self.local_sizes)
         self.weight = _param(local_out, input_size, dtype=dtype, device=device)
         self.bias = _param(local_out, dtype=dtype, device=device) if bias else None
@@ -133,12 +148,11 @@ class ColumnParallelLinear(LoadableModule):
     def quantize_int8(self) -> None:
         _quantize_weight(self)
 
-    def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         param = getattr(self, name)
         _check_shape((self.output_sizes[piece], *param.shape[1:]), loaded.shape)
-        length = self.local_sizes[piece]
+        length, start = self.local_sizes[piece], self.starts[piece]
         offset = sum(self.local_sizes[:piece])
-        start = self.tp.rank * length
         param[offset : offset + length].copy_(loaded[start : start + length])
 
 
@@ -172,7 +186,7 @@ class RowParallelLinear(LoadableModule):
     def quantize_int8(self) -> None:
         _quantize_weight(self)
 
-    def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         if name == "bias":
             super().load_weight(name, loaded)
             return
@@ -228,7 +242,7 @@ class VocabParallelEmbedding(LoadableModule):
         """Quantize its use as the LM head."""
         self.head_weight = Int8Weight(self.weight)
 
-    def load_weight(self, name: str, loaded: torch.Tensor, piece: int = 0) -> None:
+    def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         _check_shape((self.vocab_size, self.weight.shape[1]), loaded.shape)
         rows = loaded[self.vocab_start : self.vocab_start + self.rows_per_rank]
         self.weight.zero_()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import torch
 from safetensors import safe_open
 
 from radixserve.model_worker.layers import LoadableModule
@@ -42,7 +44,8 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
                     continue
                 module_name, _, param_name = name.rpartition(".")
                 try:
-                    modules[module_name].load_weight(param_name, f.get_tensor(ckpt_name), piece)
+                    lazy = _LazyTensor(f.get_slice(ckpt_name))
+                    modules[module_name].load_weight(param_name, lazy, piece)
                 except ValueError as e:
                     raise WeightLoadError(
                         f"checkpoint weight {ckpt_name} ({file.name}): {e}"
@@ -53,6 +56,17 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
     if pending:
         missing = sorted(model.checkpoint_name(name, piece) for name, piece in pending)
         raise WeightLoadError(f"weights missing from the checkpoint in {model_dir}: {missing}")
+
+
+class _LazyTensor:
+    """A checkpoint tensor read from the file only where indexed (safetensors slices)."""
+
+    def __init__(self, view: Any):
+        self._view = view
+        self.shape = tuple(view.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._view[index]
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

@@ -41,8 +41,9 @@ class ModelRunner:
         self.model_config = config = ModelConfig.from_dir(model_path)
         self.device = device
         self.dtype = dtype
+        self.tp = tp
         _, num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
-        _, num_kv_heads = tp.shard(config.num_key_value_heads, "num_key_value_heads")
+        _, num_kv_heads = tp.shard_heads(config.num_key_value_heads, "num_key_value_heads")
         check_quantization(quantization, device)
         kernels = select_kernels(attention_backend, num_heads, num_kv_heads, device, dtype)
         self.attention_backend = kernels.name

@@ -15,6 +15,13 @@ INTERNAL_MAX_MSG_BYTES = 256 * 1024 * 1024
 SCHEDULER_INPUT = "scheduler_input"
 DETOKENIZER_INPUT = "detokenizer_input"
 TOKENIZER_MANAGER_INPUT = "tokenizer_manager_input"
+DP_CONTROLLER_INPUT = "dp_controller_input"  # replicas' answers to control queries
+
+
+def scheduler_input(dp_rank: int, dp_size: int) -> str:
+    """A replica's input socket. With one replica the tokenizer manager feeds it directly; with
+    several, the data-parallel controller takes SCHEDULER_INPUT and routes to these."""
+    return SCHEDULER_INPUT if dp_size == 1 else f"{SCHEDULER_INPUT}_{dp_rank}"
 
 
 def ipc_endpoint(ipc_dir: str, name: str) -> str:

@@ -223,6 +223,10 @@ class ServerInfoReply(_Reply, tag="server_info"):
     num_evicted_tokens: int
     num_prefill_tokens: int  # prompt tokens computed (cache hits are not)
     max_running_requests: int
+    prompt_tokens: int = 0  # prompt tokens received (the hit rate's denominator)
+    dp_rank: int = 0  # the replica these figures are of (with replicas, 0 for the sum)
+    # With --dp-size above 1: each replica's own figures, in order; the fields above sum them.
+    replicas: list[ServerInfoReply] = []
 
 
 class FlushCacheReply(_Reply, tag="flush_cache"):

@@ -1,4 +1,5 @@
-"""The scheduler process: owns the model worker (TP rank 0), runs the event loop over ZMQ."""
+"""The scheduler processes: TP rank 0 owns the scheduler and runs the event loop over ZMQ; the
+other TP ranks (`run_tp_follower`) run the batches rank 0 broadcasts, in lockstep."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import logging
 from multiprocessing.connection import Connection
 
 import msgspec
+import torch
 import zmq
 
 from radixserve.model_worker.model_config import ModelConfig, resolve_device, resolve_dtype
 from radixserve.model_worker.model_runner import ModelRunner
-from radixserve.model_worker.parallel import TPGroup
+from radixserve.model_worker.parallel import init_tp_group
+from radixserve.model_worker.tp_worker import TpModelWorker, follow_rank0
 from radixserve.process_setup import (
     HEARTBEAT_INTERVAL_S,
     Heartbeat,
@@ -38,26 +41,38 @@ from radixserve.protocol.internal import (
 from radixserve.protocol.wire import FinishReason, ModelInfoReply
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.server_args import ServerArgs
+from radixserve.server_args import RankPlacement, ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
 
 
-def build_scheduler(args: ServerArgs, model_path: str) -> tuple[Scheduler, ModelInfoReply]:
-    """The scheduler with its model worker, and the model as it serves it (for model_info)."""
+def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlacement) -> ModelRunner:
+    """This rank's shard of the model and its KV pool, once its TP group has met."""
     device = resolve_device(args.device)
+    if device.type == "cuda" and device.index is None and args.tp_size * args.dp_size > 1:
+        local = placement.dp_rank * args.tp_size + placement.tp_rank
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    tp = init_tp_group(placement.tp_rank, args.tp_size, placement.dist_init_addr, device)
     checkpoint_dtype = ModelConfig.from_dir(model_path).dtype
-    runner = ModelRunner(
+    return ModelRunner(
         model_path,
         dtype=resolve_dtype(args.dtype, device, checkpoint_dtype=checkpoint_dtype),
         device=device,
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
-        tp=TPGroup(rank=0, size=1, group=None),
+        tp=tp,
         seed=args.random_seed,
         attention_backend=args.attention_backend,
         quantization=args.quantization,
     )
+
+
+def build_scheduler(
+    args: ServerArgs, model_path: str, worker: TpModelWorker
+) -> tuple[Scheduler, ModelInfoReply]:
+    """The scheduler over its model worker, and the model as it serves it (for model_info)."""
+    runner = worker.runner
     model = runner.model_config
     context_len = args.context_length or model.max_position_embeddings
     max_running = min(
@@ -81,7 +96,7 @@ def build_scheduler(args: ServerArgs, model_path: str) -> tuple[Scheduler, Model
         "Model %s on %s, dtype %s. max_total_tokens=%d, max_running_requests=%d, "
         "context_len=%d, chunked_prefill_size=%d",
         model.architecture,
-        device,
+        runner.device,
         runner.dtype,
         config.max_total_tokens,
         max_running,
@@ -95,20 +110,37 @@ def build_scheduler(args: ServerArgs, model_path: str) -> tuple[Scheduler, Model
         vocab_size=model.vocab_size,
         dtype=str(runner.dtype).removeprefix("torch."),
     )
-    return Scheduler(config, runner), info
+    return Scheduler(config, worker), info
 
 
 class SchedulerProcess:
-    def __init__(self, args: ServerArgs, model_path: str, ipc_dir: str, heartbeat: Heartbeat):
+    """TP rank 0 of one replica. With --dp-size above 1 its requests come from the data-parallel
+    controller, which also gathers every replica's answers to control queries."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_path: str,
+        ipc_dir: str,
+        heartbeat: Heartbeat,
+        placement: RankPlacement | None = None,
+    ):
+        placement = placement or RankPlacement()
+        self.dp_rank = placement.dp_rank
         self.max_queued_requests = args.max_queued_requests
         self.heartbeat = heartbeat
-        self.scheduler, self.model_info = build_scheduler(args, model_path)
+        self.worker = TpModelWorker(build_model_runner(args, model_path, placement))
+        self.scheduler, self.model_info = build_scheduler(args, model_path, self.worker)
         ctx = zmq.Context()
-        self.recv_from_tokenizer = transport.bind_pull(ctx, ipc_dir, transport.SCHEDULER_INPUT)
+        input_name = transport.scheduler_input(placement.dp_rank, args.dp_size)
+        self.recv_from_tokenizer = transport.bind_pull(ctx, ipc_dir, input_name)
         self.send_to_detokenizer = transport.connect_push(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
         self.send_to_tokenizer = transport.connect_push(
             ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
         )
+        self.send_control = self.send_to_tokenizer
+        if args.dp_size > 1:
+            self.send_control = transport.connect_push(ctx, ipc_dir, transport.DP_CONTROLLER_INPUT)
         self.codec = transport.Codec(SchedulerInput)
 
     def event_loop(self) -> None:
@@ -119,12 +151,13 @@ class SchedulerProcess:
             # Sleep until a message comes when the last step ran nothing: then nothing can run
             # until something changes (idle, or waiting requests that do not fit yet).
             msgs = self.recv_requests(block=not ran)
-            if not ran and not msgs:
-                continue  # woken only to beat
             for msg in msgs:
                 self.process_input_request(msg)
-            ran = scheduler.step() is not None
-            self.stream_output()
+            if ran or msgs:
+                ran = scheduler.step() is not None
+                self.stream_output()
+            if not ran:
+                self.worker.keep_alive()  # the other TP ranks beat on rank 0's broadcasts
 
     def recv_requests(self, block: bool) -> list[msgspec.Struct]:
         """Everything queued now; when idle, first sleep until something arrives (or it is time
@@ -155,15 +188,16 @@ class SchedulerProcess:
             case StopReq(rid=rid, matched=matched):
                 scheduler.abort(rid, FinishReason("stop", matched))
             case ServerInfoReq(query_id=qid):
-                self._reply(ServerInfoOut(qid, scheduler.server_info()))
+                info = msgspec.structs.replace(scheduler.server_info(), dp_rank=self.dp_rank)
+                self._answer(ServerInfoOut(qid, info))
             case FlushCacheReq(query_id=qid):
                 ok = scheduler.flush_cache()
                 message = "" if ok else "requests are running; retry when idle"
-                self._reply(FlushCacheOut(qid, ok, message))
+                self._answer(FlushCacheOut(qid, ok, message))
             case HealthReq(query_id=qid):
-                self._reply(HealthOut(qid))
+                self._answer(HealthOut(qid))
             case ModelInfoReq(query_id=qid):
-                self._reply(ModelInfoOut(qid, self.model_info))
+                self._answer(ModelInfoOut(qid, self.model_info))
 
     def stream_output(self) -> None:
         outbox = self.scheduler.outbox
@@ -174,6 +208,10 @@ class SchedulerProcess:
     def _reply(self, msg: msgspec.Struct) -> None:
         self.send_to_tokenizer.send(self.codec.encode(msg))
 
+    def _answer(self, msg: msgspec.Struct) -> None:
+        """A control query's answer: to the tokenizer manager, or the DP controller."""
+        self.send_control.send(self.codec.encode(msg))
+
 
 def run_scheduler_process(
     args: ServerArgs,
@@ -181,9 +219,30 @@ def run_scheduler_process(
     ipc_dir: str,
     ready_writer: Connection,
     heartbeat: Heartbeat,
+    placement: RankPlacement,
 ) -> None:
-    configure_process("scheduler", args, torch_threads=args.num_threads)
+    configure_process(placement.process_name, args, torch_threads=args.threads_per_model_process)
     keep_freed_memory()
-    proc = SchedulerProcess(args, model_path, ipc_dir, heartbeat)
-    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("scheduler")))
+    proc = SchedulerProcess(args, model_path, ipc_dir, heartbeat, placement)
+    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady(placement.process_name)))
     proc.event_loop()
+
+
+def run_tp_follower(
+    args: ServerArgs,
+    model_path: str,
+    ipc_dir: str,
+    ready_writer: Connection,
+    heartbeat: Heartbeat,
+    placement: RankPlacement,
+) -> None:
+    """TP rank 1 and up: no sockets, no scheduler; rank 0's batches, run as they come."""
+    name = placement.process_name
+    configure_process(name, args, torch_threads=args.threads_per_model_process)
+    keep_freed_memory()
+    runner = build_model_runner(args, model_path, placement)
+    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady(name)))
+    with torch.inference_mode():
+        while True:
+            heartbeat.beat()
+            follow_rank0(runner)

@@ -79,4 +79,5 @@ class SchedulerStats:
             num_evicted_tokens=kv.num_evicted_tokens,
             num_prefill_tokens=self.num_prefill_tokens,
             max_running_requests=max_running_requests,
+            prompt_tokens=self.prompt_tokens,
         )

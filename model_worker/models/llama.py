@@ -50,10 +50,15 @@ class LlamaAttention(nn.Module):
         self.attn_backend = attn_backend
         self.ops = ops
         self.head_dim = config.head_dim
-        _, self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
-        _, self.num_kv_heads = tp.shard(config.num_key_value_heads, "num_key_value_heads")
-        q_size = config.num_attention_heads * config.head_dim
-        kv_size = config.num_key_value_heads * config.head_dim
+        head_dim = config.head_dim
+        q_head, self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
+        kv_head, self.num_kv_heads = tp.shard_heads(
+            config.num_key_value_heads, "num_key_value_heads"
+        )
+        q_size = config.num_attention_heads * head_dim
+        kv_size = config.num_key_value_heads * head_dim
+        q_shard = (q_head * head_dim, self.num_heads * head_dim)
+        kv_shard = (kv_head * head_dim, self.num_kv_heads * head_dim)
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
             (q_size, kv_size, kv_size),
@@ -62,6 +67,7 @@ class LlamaAttention(nn.Module):
             ops=ops,
             dtype=dtype,
             device=device,
+            shards=(q_shard, kv_shard, kv_shard),
         )
         self.o_proj = RowParallelLinear(
             q_size,

@@ -1,0 +1,99 @@
+"""The pure parts of scale-out: the batch rank 0 broadcasts survives its bytes, the
+data-parallel routers pick replicas as they should, and each node knows which ranks it runs."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import torch
+from test_sampler import make_info
+from test_tensor_parallel import make_batch
+
+from radixserve.launch import check_parallel_args, local_placements
+from radixserve.model_worker.batch_codec import decode_batch, encode_batch
+from radixserve.scheduler.dp_controller import sum_server_info
+from radixserve.scheduler.dp_router import PAGE_TOKENS, CacheAwareRouter, RoundRobinRouter
+from radixserve.scheduler.seen_tokens import SeenTokens
+from radixserve.server_args import ServerArgs
+
+
+def assert_same(a: object, b: object) -> None:
+    for field in fields(a):  # type: ignore[arg-type]
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), field.name
+        elif hasattr(x, "__dataclass_fields__"):
+            assert_same(x, y)
+        else:
+            assert x == y, field.name
+
+
+def test_a_broadcast_batch_decodes_to_the_batch_sent() -> None:
+    # Mixed lengths (the slot table is mostly padding) and penalised rows (nested tensors).
+    batch = make_batch([(0, 7), (40, 1), (3, 2)], torch.randperm(200) + 1)
+    seen = {0: SeenTokens.of([5, 6, 5], [9]), 2: SeenTokens.of([1], [])}
+    batch.sampling = make_info(
+        3, temperatures=[0.0, 0.7, 1.0], frequency_penalties=[0.5, 0, 1], seen=seen
+    )
+    data = encode_batch(batch)
+    assert_same(decode_batch(data), batch)
+    # Each sequence's slots travel, not the padding: more of it changes no byte.
+    wider = replace(batch, kv_slots=torch.nn.functional.pad(batch.kv_slots, (0, 100)))
+    assert encode_batch(wider) == data
+
+
+def test_round_robin_takes_turns() -> None:
+    router = RoundRobinRouter(3)
+    assert [router.pick([1, 2]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_cache_aware_keeps_a_prefix_family_on_one_replica_and_spreads_new_ones() -> None:
+    router = CacheAwareRouter(2)
+    families = [list(range(f * 1000, f * 1000 + 4 * PAGE_TOKENS)) for f in range(4)]
+    picks = {
+        f: {router.pick(prefix + [f, i]) for i in range(5)} for f, prefix in enumerate(families)
+    }
+    assert all(len(p) == 1 for p in picks.values())  # a family stays where its prefix is
+    assert sorted(p.pop() for p in picks.values()) == [0, 0, 1, 1]  # new families spread
+    short = [router.pick([7]) for _ in range(4)]  # no whole page: taken in turn
+    assert sorted(short) == [0, 0, 1, 1]
+
+
+def test_replicas_server_info_sums_and_weights_the_hit_rate() -> None:
+    from radixserve.protocol.wire import ServerInfoReply
+
+    def info(dp_rank: int, prompt: int, rate: float) -> ServerInfoReply:
+        return ServerInfoReply(1, 0, 10, 100, rate, 5.0, 3, 0, 0, 0, 7, 8, prompt, dp_rank)
+
+    total = sum_server_info([info(1, 300, 0.5), info(0, 100, 0.1)])
+    assert (total.running_requests, total.kv_tokens_total, total.prompt_tokens) == (2, 200, 400)
+    assert abs(total.cache_hit_rate - (150 + 10) / 400) < 1e-9
+    assert [r.dp_rank for r in total.replicas] == [1, 0]
+
+
+def test_each_node_runs_its_share_of_every_replicas_ranks() -> None:
+    args = ServerArgs(tp_size=4, dp_size=2, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
+    assert check_parallel_args(args) is None
+    placed = [(p.dp_rank, p.tp_rank, p.dist_init_addr) for p in local_placements(args)]
+    assert placed == [
+        (0, 2, "10.0.0.1:5000"),
+        (0, 3, "10.0.0.1:5000"),
+        (1, 2, "10.0.0.1:5001"),
+        (1, 3, "10.0.0.1:5001"),
+    ]
+    assert [p.process_name for p in local_placements(args)][2] == "scheduler_dp1_tp2"
+
+
+def test_parallel_flags_that_do_not_fit_are_named() -> None:
+    wrong = {
+        "--tp-size 3 does not split over --nnodes 2": dict(
+            tp_size=3, nnodes=2, dist_init_addr="h:1"
+        ),
+        "--node-rank must be in 0..1": dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"),
+        "needs --dist-init-addr": dict(tp_size=2, nnodes=2),
+        "is not host:port": dict(dist_init_addr="localhost"),
+        "must be at least 1": dict(dp_size=0),
+    }
+    for message, fields_ in wrong.items():
+        mistake = check_parallel_args(ServerArgs(**fields_))
+        assert mistake is not None and message in mistake, (fields_, mistake)
