@@ -33,6 +33,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int | None = None  # model process threads; default: all cores
     attention_backend: str = "auto"  # auto | torch_native | cpu_attn
     quantization: str | None = None  # None | int8
+    disable_overlap_schedule: bool = False
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
@@ -81,13 +82,17 @@ _HELP = {
     "cpu_attn where it applies and builds, else torch_native",
     "quantization": "int8: int8 weights and per-token int8 activations (w8a8) for every linear "
     "layer and the LM head, on the CPU (default: none)",
+    "disable_overlap_schedule": "run each step's forward on the scheduler's thread and process "
+    "its result before planning the next, instead of planning step N+1 (and processing step "
+    "N-1) while step N runs on a worker thread",
     "log_interval": "decode steps between two throughput log lines",
     "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
     "max_queued_requests": "requests that may wait for admission; past it, new ones get an "
     "`overloaded` error",
     "max_reply_backlog_bytes": "replies held for a client that reads slower than it asks; past "
     "it, that client's requests are aborted with an `overloaded` error",
-    "api_key": "require this key in the `api_key` field of every request but `health`",
+    "api_key": "require this key in the `api_key` field of every request but `health` "
+    "(default: none)",
     "watchdog_timeout": "seconds a server process may go without a heartbeat before the server "
     "is stopped as hung",
     "shutdown_timeout": "on SIGTERM, seconds that requests in flight may take to finish before "

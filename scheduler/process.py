@@ -76,10 +76,11 @@ def build_scheduler(args: ServerArgs, model_path: str) -> tuple[Scheduler, Model
         enable_radix_cache=not args.disable_radix_cache,
         page_size=args.page_size,
         schedule_policy=args.schedule_policy,
+        enable_overlap=not args.disable_overlap_schedule,
     )
     logger.info(
         "Model %s on %s, dtype %s. max_total_tokens=%d, max_running_requests=%d, "
-        "context_len=%d, chunked_prefill_size=%d",
+        "context_len=%d, chunked_prefill_size=%d, overlap schedule %s",
         model.architecture,
         device,
         runner.dtype,
@@ -87,6 +88,7 @@ def build_scheduler(args: ServerArgs, model_path: str) -> tuple[Scheduler, Model
         max_running,
         context_len,
         config.chunked_prefill_size,
+        "on" if config.enable_overlap else "off",
     )
     info = ModelInfoReply(
         model_path=model_path,
