@@ -40,6 +40,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of TP rank 0; default: a free local port
+    disable_overlap_schedule: bool = False
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
@@ -121,6 +122,9 @@ _HELP = {
     "cpu_attn where it applies and builds, else torch_native",
     "quantization": "int8: int8 weights and per-token int8 activations (w8a8) for every linear "
     "layer and the LM head, on the CPU (default: none)",
+    "disable_overlap_schedule": "run each step's forward on the scheduler's thread and process "
+    "its result before planning the next, instead of planning step N+1 (and processing step "
+    "N-1) while step N runs on a worker thread",
     "log_interval": "decode steps between two throughput log lines",
     "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
     "max_queued_requests": "requests that may wait for admission; past it, new ones get an "

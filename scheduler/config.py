@@ -22,3 +22,4 @@ class SchedulerConfig:
     enable_radix_cache: bool = True
     page_size: int = 1
     schedule_policy: str = "fcfs"  # or "lpm": longest prefix match first
+    enable_overlap: bool = False  # launch each step on a worker thread, process it one step later

@@ -39,7 +39,7 @@ def record_logprobs(batch: ScheduleBatch, result: SampleOutput) -> None:
     top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else []
     tokens = result.next_token_ids.tolist()
     for i, (req, emits) in enumerate(zip(batch.reqs, batch.emits)):
-        if not req.return_logprob or not emits:
+        if not req.return_logprob or not emits or req.finished:  # finished: a dropped token
             continue
         req.output_token_logprobs.append((token_logprobs[i], tokens[i]))
         if req.top_logprobs_num:

@@ -91,10 +91,11 @@ def build_scheduler(
         enable_radix_cache=not args.disable_radix_cache,
         page_size=args.page_size,
         schedule_policy=args.schedule_policy,
+        enable_overlap=not args.disable_overlap_schedule,
     )
     logger.info(
         "Model %s on %s, dtype %s. max_total_tokens=%d, max_running_requests=%d, "
-        "context_len=%d, chunked_prefill_size=%d",
+        "context_len=%d, chunked_prefill_size=%d, overlap schedule %s",
         model.architecture,
         runner.device,
         runner.dtype,
@@ -102,6 +103,7 @@ def build_scheduler(
         max_running,
         context_len,
         config.chunked_prefill_size,
+        "on" if config.enable_overlap else "off",
     )
     info = ModelInfoReply(
         model_path=model_path,

@@ -10,7 +10,12 @@ The vLLM v1 view: a request is `num_computed_tokens` (tokens whose KV is in the 
 While it runs it holds a KVHandle from KVManager: its row, whose first `kv.cached_len` slots
 belong to the prefix cache; the rest, up to `num_computed_tokens`, are the request's own.
 Who writes what: KVManager `kv`; the scheduler the progress (`num_computed_tokens`, outputs,
-`seen`) and the end (`finished_reason`); output.py `num_sent_tokens`.
+`future_ids`, `seen`) and the end (`finished_reason`); output.py `num_sent_tokens`.
+
+A step counts as done when it is launched: its emitted token joins the request at once as a
+placeholder in `future_ids` (negative, FutureMap's), and becomes a real token in `output_ids`
+when the step's result comes back. So the next step can be planned, and its input built, while
+this one still runs (overlap scheduling); without overlap the result comes back at once.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ class Req:
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) plus the client's stop_token_ids
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # real tokens only
+    future_ids: list[int] = field(default_factory=list)  # placeholders of outputs in flight
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -49,8 +55,13 @@ class Req:
     retracted: bool = False  # ever sent back to the waiting queue
 
     @property
+    def num_outputs(self) -> int:
+        """Outputs so far, those still in flight included."""
+        return len(self.output_ids) + len(self.future_ids)
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
+        return len(self.origin_input_ids) + self.num_outputs
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -58,11 +69,21 @@ class Req:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_uncomputed_tokens == 1 and bool(self.output_ids)
+        return self.num_uncomputed_tokens == 1 and self.num_outputs > 0
 
     @property
     def remaining_new_tokens(self) -> int:
-        return self.sampling_params.max_new_tokens - len(self.output_ids)
+        return self.sampling_params.max_new_tokens - self.num_outputs
+
+    def reached_length(self, context_len: int) -> bool:
+        """Whether its outputs (in flight included) already end it by max_new_tokens or the
+        context: it needs no more steps."""
+        return self.remaining_new_tokens <= 0 or self.num_tokens >= context_len
+
+    @property
+    def last_token(self) -> int:
+        """The input of its next decode step: a placeholder while the last output is in flight."""
+        return (self.future_ids or self.output_ids or self.origin_input_ids)[-1]
 
     @property
     def finished(self) -> bool:
@@ -75,16 +96,24 @@ class Req:
         return self.stream or bool(self.sampling_params.stop)
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + outputs, without building the whole list."""
+        """Tokens [start, end) of prompt + outputs (placeholders of those in flight last),
+        without building the whole list."""
         n_in = len(self.origin_input_ids)
         if end <= n_in:
             return self.origin_input_ids[start:end]
+        outputs = self.output_ids + self.future_ids if self.future_ids else self.output_ids
         if start >= n_in:
-            return self.output_ids[start - n_in : end - n_in]
-        return self.origin_input_ids[start:] + self.output_ids[: end - n_in]
+            return outputs[start - n_in : end - n_in]
+        return self.origin_input_ids[start:] + outputs[: end - n_in]
+
+    def resolve_output(self, token: int) -> None:
+        """The oldest output in flight came back: it is `token`."""
+        del self.future_ids[0]
+        self.output_ids.append(token)
 
     def check_finished(self, last: int, context_len: int) -> None:
-        """After a new output token `last`: stop token, max_new_tokens, or the context limit."""
+        """After a new real output token `last`: stop token, max_new_tokens, or the context
+        limit."""
         n_out = len(self.output_ids)
         if last in self.stop_token_ids:
             self.finished_reason = FinishReason("stop", last)

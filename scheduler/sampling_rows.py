@@ -75,8 +75,10 @@ def _penalty_tokens(reqs: list[Req], penalised: np.ndarray) -> PenaltyTokens:
     """The seen tokens of the requests whose `penalised` flag is set, for the batch."""
     indices = np.flatnonzero(penalised)
     seen: list[SeenTokens] = []
+    future_ids: list[list[int]] = []
     for i in indices.tolist():
         req_seen = reqs[i].seen
         assert req_seen is not None, "a request with penalties has seen its prompt"
         seen.append(req_seen)
-    return penalty_tokens(indices, seen)
+        future_ids.append(reqs[i].future_ids)
+    return penalty_tokens(indices, seen, future_ids)

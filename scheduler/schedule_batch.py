@@ -37,6 +37,9 @@ class ScheduleBatch:
     input_ids: torch.Tensor  # int64 [T]: the tokens computed, request after request
     positions: torch.Tensor  # int64 [T]
     out_cache_loc: torch.Tensor  # int64 [T]: KV slots of the new tokens
+    # int64 [B]: the FutureMap slot of each sequence's sampled token; an emitted token in flight
+    # is -slot in its request's future_ids
+    future_slots: torch.Tensor
 
     @classmethod
     def prepare(
@@ -46,9 +49,10 @@ class ScheduleBatch:
         emits: list[bool],
         num_decodes: int,
         kv: KVManager,
+        future_slots: torch.Tensor,
     ) -> ScheduleBatch:
         prefix_lens = list(map(_NUM_COMPUTED, reqs))
-        n_out = [len(r.output_ids) for r in reqs]
+        n_out = [r.num_outputs for r in reqs]
         # One conversion for every int column: each torch.tensor call on a list costs ~25 µs.
         columns = np.array([prefix_lens, extend_lens, list(map(_ROW, reqs)), n_out], dtype=np.int64)
         prefix, extend, rows, output_index = torch.from_numpy(columns)
@@ -60,7 +64,7 @@ class ScheduleBatch:
             positions = torch.arange(num_tokens) - torch.repeat_interleave(shift, extend)
             token_rows = torch.repeat_interleave(rows, extend)
         if num_tokens == len(reqs) and all(emits):  # each computes its last token
-            input_ids = [(r.output_ids or r.origin_input_ids)[-1] for r in reqs]
+            input_ids = [r.last_token for r in reqs]
         else:
             input_ids = []
             for req, start, n in zip(reqs, prefix_lens, extend_lens):
@@ -75,6 +79,7 @@ class ScheduleBatch:
             input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
             positions=positions,
             out_cache_loc=kv.alloc_extend(token_rows, positions),
+            future_slots=future_slots,
         )
 
     @property

@@ -5,6 +5,14 @@ chunk); if their KV does not fit, requests are retracted to the waiting queue; o
 requests are admitted by PrefillAdder. One forward runs the whole batch. No sockets here:
 scheduler/process.py feeds requests in and ships outputs out.
 
+Overlap scheduling (SGLang's event_loop_overlap): a step is launched on the OverlapWorker's
+thread, and its result is processed one step later, after the next step is planned and launched;
+so the scheduler's Python runs while the model computes. A launched step counts as done for
+planning: its tokens are placeholders (Req.future_ids) until its result comes back. A request
+that finishes by a stop token has then already been given one more step, whose token is dropped
+(its KV is valid, and is cached or freed with the rest). Without overlap the result is processed
+at once, through the same code.
+
 The data path, one way: TokenizedGenerateReq -> Req -> ScheduleBatch -> ModelWorkerBatch ->
 (model worker: ForwardBatch -> logits -> SampleOutput) -> Req.output_ids -> ReqTokenOut.
 """
@@ -14,9 +22,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Protocol
+from concurrent.futures import Future
 
-from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
+from radixserve.model_worker.batch import SampleOutput
+from radixserve.model_worker.future_map import FutureMap
+from radixserve.model_worker.overlap_worker import ModelWorker, OverlapWorker
 from radixserve.protocol.internal import ReqError, ReqTokenOut, TokenizedGenerateReq
 from radixserve.protocol.wire import FinishReason, ServerInfoReply
 from radixserve.scheduler.config import SchedulerConfig
@@ -40,12 +50,6 @@ logger = logging.getLogger("radixserve.scheduler")
 RETRACT_DECODE_STEPS = 20
 
 
-class ModelWorker(Protocol):
-    def forward(self, batch: ModelWorkerBatch) -> SampleOutput:
-        """The next token of every sequence of the batch (and logprobs when asked for)."""
-        ...
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, worker: ModelWorker):
         self.config = config
@@ -58,6 +62,10 @@ class Scheduler:
             config.page_size,
         )
         self.sampling_rows = SamplingRows(config.max_running_requests)
+        self.future_map = FutureMap(config.max_running_requests)
+        self.overlap = OverlapWorker(worker, self.future_map) if config.enable_overlap else None
+        # The step launched but not processed yet (overlap only).
+        self.in_flight: tuple[ScheduleBatch, Future[SampleOutput]] | None = None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = NewTokenRatio()
@@ -91,19 +99,26 @@ class Scheduler:
                     return
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.in_flight)
 
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> ScheduleBatch | None:
+        """Plan and launch a step; process the result of the previous one (overlap) or of this
+        one. Returns the step launched, else the one processed: None when there was nothing."""
         start = time.perf_counter()
         batch = self.get_next_batch_to_run()
-        if batch is not None:
-            self.process_batch_result(batch, self.run_batch(batch))
+        launched = (batch, self.run_batch(batch)) if batch is not None else None
+        if self.overlap is not None:
+            done, self.in_flight = self.in_flight, launched
+        else:
+            done = launched
+        if done is not None:
+            self.process_batch_result(done[0], done[1].result())
         self.stats.busy_time_since_log += time.perf_counter() - start
         if self.config.check_invariants:
             self.check_invariants(batch)
-        return batch
+        return batch or (done[0] if done else None)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         plan, num_decodes, retracted, prefill_budget = self._plan_running()
@@ -112,10 +127,29 @@ class Scheduler:
         if not plan:
             return None
         reqs, extend_lens, emits = (list(column) for column in zip(*plan))
-        return ScheduleBatch.prepare(reqs, extend_lens, emits, num_decodes, self.kv)
+        future_slots = self.future_map.alloc(len(reqs))
+        return ScheduleBatch.prepare(reqs, extend_lens, emits, num_decodes, self.kv, future_slots)
 
-    def run_batch(self, batch: ScheduleBatch) -> SampleOutput:
-        return self.worker.forward(batch.to_model_worker_batch(self.kv, self.sampling_rows))
+    def run_batch(self, batch: ScheduleBatch) -> Future[SampleOutput]:
+        """Launch the step: from here on its requests count it as done, their emitted tokens
+        placeholders until its result is processed. Prompt tokens go into the prefix cache now,
+        so that the next step (planned while this one runs) can share them: their KV is written
+        before any later step reads it."""
+        worker_batch = batch.to_model_worker_batch(self.kv, self.sampling_rows)
+        placeholders = (-batch.future_slots).tolist()
+        for req, prefix, extend, emits, placeholder in zip(
+            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.emits, placeholders
+        ):
+            req.num_computed_tokens = prefix + extend
+            if emits:
+                req.future_ids.append(placeholder)
+            if extend > 1 or not emits:  # a prefill chunk or a whole prompt
+                self.kv.cache_unfinished(req)
+        if self.overlap is not None:
+            return self.overlap.launch(worker_batch, batch.future_slots)
+        result: Future[SampleOutput] = Future()
+        result.set_result(self.worker.forward(worker_batch))
+        return result
 
     def process_batch_result(self, batch: ScheduleBatch, result: SampleOutput) -> None:
         next_token_ids = result.next_token_ids.tolist()
@@ -124,25 +158,21 @@ class Scheduler:
         stats = self.stats
         stats.count_step(batch)
         context_len = self.config.context_len
-        for req, prefix, extend, emits, token in zip(
-            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.emits, next_token_ids
-        ):
-            req.num_computed_tokens = prefix + extend
+        for req, emits, token in zip(batch.reqs, batch.emits, next_token_ids):
+            if req.finished:  # aborted, or ended by the step before (overlap): drop its token
+                continue
             if not emits:
-                self.kv.cache_unfinished(req)  # a prefill chunk: later requests may share it
-                continue  # its sampled token predicts nothing yet
-            req.output_ids.append(token)
+                continue  # a prefill chunk: its sampled token predicts nothing yet
+            req.resolve_output(token)
             if req.seen is not None:
                 req.seen = req.seen.with_output(token)
             stats.gen_tokens_since_log += 1
             req.check_finished(token, context_len)
             if req.finished_reason is not None:
-                self.running.remove(req)
+                self._remove(req)
                 self.kv.release(req)
                 self.outbox.append(next_output(req))
                 continue
-            if extend > 1:
-                self.kv.cache_unfinished(req)  # a fresh prompt: concurrent requests may share it
             if req.streams_steps:
                 self.outbox.append(next_output(req))
         if batch.num_decodes:
@@ -152,6 +182,14 @@ class Scheduler:
                 stats.log_decode(self.kv, len(self.running), len(self.waiting))
         if batch.num_decodes < len(batch.reqs):
             stats.log_prefill(batch, self.kv, len(self.running), len(self.waiting))
+
+    def _remove(self, req: Req) -> None:
+        """A request that ended leaves the running batch, or the waiting queue: it may have been
+        retracted while its last token was in flight (overlap)."""
+        if req.kv is not None:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
 
     # ---- planning the running requests --------------------------------------------------------
 
@@ -166,10 +204,12 @@ class Scheduler:
             prefilling: list[tuple[Req, int]] = []
             num_decodes = 0
             for req in self.running:
+                if req.reached_length(self.config.context_len):
+                    continue  # its last token is in flight (overlap): it ends when that is back
                 n = req.num_uncomputed_tokens
                 if n == 1:
                     plan.append((req, 1, True))
-                    num_decodes += bool(req.output_ids)
+                    num_decodes += req.num_outputs > 0
                 else:
                     prefilling.append((req, n))
             budget = self.config.max_prefill_tokens - len(plan)
@@ -188,7 +228,7 @@ class Scheduler:
     def _retract_one(self) -> None:
         """retract_decode, one victim: the request with the fewest outputs (then the longest
         prompt) goes back to the front of the waiting queue and will be recomputed."""
-        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        victim = min(self.running, key=lambda r: (r.num_outputs, -len(r.origin_input_ids)))
         self.running.remove(victim)
         self.kv.release(victim)
         victim.num_computed_tokens = 0
@@ -196,7 +236,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.stats.num_retractions += 1
         if self.running:
-            decoded = sum(len(r.output_ids) for r in self.running)
+            decoded = sum(r.num_outputs for r in self.running)
             wanted = sum(r.sampling_params.max_new_tokens for r in self.running)
             estimate = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max(wanted, 1)
             self.new_token_ratio.raise_to(estimate)

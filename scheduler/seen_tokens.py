@@ -43,10 +43,24 @@ class SeenTokens:
         return SeenTokens(ids, torch.cat([self.output_counts[:at], one, self.output_counts[at:]]))
 
 
-def penalty_tokens(batch_indices: np.ndarray, seen: list[SeenTokens]) -> PenaltyTokens:
-    """The flat PenaltyTokens of the batch whose sequence batch_indices[i] has seen seen[i]."""
-    lengths = torch.tensor([s.ids.numel() for s in seen])
+def penalty_tokens(
+    batch_indices: np.ndarray,
+    seen: list[SeenTokens],
+    future_ids: list[list[int]] | None = None,
+) -> PenaltyTokens:
+    """The flat PenaltyTokens of the batch whose sequence batch_indices[i] has seen seen[i] and
+    has future_ids[i] in flight (overlap): those come as placeholder entries of count 1, which
+    the worker's FutureMap resolves (and merges with an equal token) before sampling."""
+    if future_ids is None:
+        future_ids = [[] for _ in seen]
+    lengths = torch.tensor([s.ids.numel() + len(f) for s, f in zip(seen, future_ids)])
     rows = torch.repeat_interleave(torch.from_numpy(batch_indices.astype(np.int64)), lengths)
-    ids = torch.cat([s.ids for s in seen])
-    counts = torch.cat([s.output_counts for s in seen])
-    return PenaltyTokens(batch_rows=rows, token_ids=ids, output_counts=counts)
+    ids: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+    for s, futures in zip(seen, future_ids):
+        ids.append(s.ids)
+        counts.append(s.output_counts)
+        if futures:
+            ids.append(torch.tensor(futures, dtype=torch.int64))
+            counts.append(torch.ones(len(futures), dtype=torch.int32))
+    return PenaltyTokens(batch_rows=rows, token_ids=torch.cat(ids), output_counts=torch.cat(counts))

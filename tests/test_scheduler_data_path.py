@@ -56,7 +56,8 @@ def test_converting_a_schedule_batch_twice_gives_equal_model_worker_batches() ->
     assert state == [(r.num_computed_tokens, r.kv, r.seen, r.output_ids) for r in batch.reqs]
 
     # The converted batch is the one that runs: the requests still say what they must.
-    s.process_batch_result(batch, s.worker.forward(first))
+    s.process_batch_result(batch, s.run_batch(batch).result())
+    assert_same(s.worker.batches[-1], first)
     outs = run_to_completion(s)
     for rid, p in prompts.items():
         assert tokens_of(outs[rid]) == reference_tokens(p, 6), rid
