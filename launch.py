@@ -205,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("IPC directory %s", server.ipc_dir)
     try:
         server.start()
-        logger.info("radixserve ready on tcp://%s:%d (model %s)", args.host, args.port, model_path)
+        http = f" and http://{args.host}:{args.http_port}" if args.http_port else ""
+        logger.info(
+            "radixserve ready on tcp://%s:%d%s (model %s)", args.host, args.port, http, model_path
+        )
         reason = server.watch()
         logger.error("%s; shutting down", reason)
         return 1
