@@ -5,18 +5,22 @@ answer is checked against the ZMQ client's answer to the same request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tm_harness import tokenizer_manager
 
 from radixserve.client import Client
 from radixserve.client.local_server import LaunchedServer, launched_server
+from radixserve.http_server.app import build_app
+from radixserve.protocol.internal import HealthReq
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 CHAT = [{"role": "user", "content": "Hi there"}]
@@ -163,26 +167,25 @@ def test_native_endpoints(server, zmq_client):
     assert httpx.post(f"{url}/flush_cache").json()["success"]
 
 
-def test_a_client_leaving_an_sse_stream_aborts_its_request(server, model):
-    """Its KV is freed at once, long before the 1,000 tokens it asked for."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_has_its_request_aborted(server, model, stream):
+    """Streamed or not, its KV is freed at once, long before the 1,000 tokens it asked for (a
+    request not streamed sends nothing until its end: only the connection's close tells)."""
     url = server.http_url
     body = {"model": model, "prompt": "Go on", "max_tokens": 1000, "ignore_eos": True}
-    request = json.dumps({**body, "stream": True}).encode()
+    request = json.dumps({**body, "stream": stream}).encode()
     before = _metrics(url)
     with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
         head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(request)}\r\n"
         sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + request)
-        received = b""
-        while received.count(b"data: ") < 3:  # three tokens streamed: it runs
-            received += sock.recv(65536)
+        if stream:
+            received = b""
+            while received.count(b"data: ") < 3:  # three tokens streamed: it runs
+                received += sock.recv(65536)
+        else:
+            _wait_for(url, lambda info: info["running_requests"] == 1)
         assert httpx.get(f"{url}/get_server_info").json()["running_requests"] == 1
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        info = httpx.get(f"{url}/get_server_info").json()
-        if info["running_requests"] == 0:
-            break
-        time.sleep(0.05)
-    assert info["running_requests"] == 0
+    _wait_for(url, lambda info: info["running_requests"] == 0)
     after = _metrics(url)
     aborted = "radixserve:num_aborted_requests_total"
     assert after[aborted] == before[aborted] + 1
@@ -191,6 +194,13 @@ def test_a_client_leaving_an_sse_stream_aborts_its_request(server, model):
     # Nothing holds KV any more: the cache can be emptied, and then no slot is in use.
     assert httpx.post(f"{url}/flush_cache").json()["success"]
     assert httpx.get(f"{url}/get_server_info").json()["kv_tokens_used"] == 0
+
+
+def _wait_for(url: str, condition: Callable[[dict], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition(httpx.get(f"{url}/get_server_info").json()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def test_metrics_parse_and_move_under_load(server, oai, model):
@@ -221,3 +231,34 @@ def _metrics(url: str) -> dict[str, float]:
         for sample in family.samples
         if not sample.labels
     }
+
+
+def test_api_key_and_body_limit(tiny_served_model):
+    """The app in-process over the tokenizer manager alone (tm_harness plays the scheduler):
+    without `Authorization: Bearer KEY` nothing reaches the scheduler; a body over
+    --max-request-bytes is refused before it is read whole."""
+    key = "s3cret"
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, api_key=key, max_request_bytes=4096) as h:
+            app = build_app(h.manager)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                body = {"model": str(tiny_served_model), "prompt": "Hi", "max_tokens": 2}
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                    r = await http.post("/v1/completions", json=body, headers=headers)
+                    assert r.status_code == 401
+                    assert r.json()["error"]["type"] == "authentication_error"
+                for path in ("/v1/models", "/get_server_info", "/metrics"):
+                    assert (await http.get(path)).status_code == 401
+                assert not await h.scheduler.poll(100)  # nothing ran, nothing was queued
+                good = {"Authorization": f"Bearer {key}"}
+                big = {**body, "prompt": "x" * 5000}
+                r = await http.post("/v1/completions", json=big, headers=good)
+                assert r.status_code == 413
+                assert not await h.scheduler.poll(100)
+                health = asyncio.create_task(http.get("/health"))  # needs no key
+                assert isinstance(await h.to_scheduler(), HealthReq)
+                health.cancel()
+
+    asyncio.run(scenario())
