@@ -35,8 +35,9 @@ class NativeApi:
         body = await self.front.body(request)
         try:
             req = self._generate_decoder.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise HttpError("invalid_request", str(e)) from None
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+            message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise HttpError("invalid_request", message) from None
         defaults = self.front.manager.sampling_defaults
         if defaults:
             req = fill_sampling_defaults(req, sent_sampling_fields_json(body), defaults)

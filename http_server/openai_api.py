@@ -67,8 +67,9 @@ class OpenAIApi:
         body = await self.front.body(request)
         try:
             req = decoder.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise HttpError("invalid_request", str(e)) from None
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+            message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise HttpError("invalid_request", message) from None
         if req.model != self.model_name:
             raise HttpError("not_found", f"the model {req.model!r} does not exist", "model")
         return req

@@ -13,6 +13,7 @@ import msgspec
 
 from radixserve.protocol.wire import (
     MAX_INPUT_IDS,
+    MAX_MESSAGES,
     MAX_TOP_LOGPROBS,
     ChatMessage,
     GenerateRequest,
@@ -65,7 +66,7 @@ class CompletionRequest(_OpenAIRequest):
 
 
 class ChatCompletionRequest(_OpenAIRequest):
-    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=4096)]
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -45,7 +45,7 @@ def oai(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def zmq_client(server) -> Iterator[Client]:
-    with Client(server.address, timeout=120) as c:
+    with Client(server.address, timeout=600) as c:
         yield c
 
 
@@ -143,6 +143,9 @@ def test_errors_have_openais_shape_and_status(oai, model, server):
     assert bad.status_code == 400
     error = bad.json()["error"]
     assert error["type"] == "invalid_request_error" and "`x`" in error["message"]
+    deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nested = httpx.post(f"{server.http_url}/v1/completions", content=deep)
+    assert nested.status_code == 400 and "nested" in nested.json()["error"]["message"]
     too_long = httpx.post(
         f"{server.http_url}/generate", json={"input_ids": [5] * 2000, "stream": True}
     )
