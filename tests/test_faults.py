@@ -29,7 +29,7 @@ def test_a_dead_or_hung_child_stops_the_server(tiny_served_model, child, sig, na
     with launched_server(
         "--model",
         str(tiny_served_model),
-        "--torch-threads",
+        "--num-threads",
         "1",
         "--watchdog-timeout",
         str(WATCHDOG_S),

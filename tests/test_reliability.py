@@ -41,7 +41,7 @@ def server(tiny_served_model):
         str(tiny_served_model),
         "--max-total-tokens",
         "16384",
-        "--torch-threads",
+        "--num-threads",
         "1",  # two OpenMP threads on two shared cores wait on each other at every op
         "--shutdown-timeout",
         "1",
