@@ -223,7 +223,6 @@ class TokenizerManager:
             completion.last_tokens_at = now
         if finished:
             self.metrics.on_finished(request, out)
-        if finished:
             self.inflight.end(out.rid)
             if self.args.log_requests:
                 request_log.finished(request, completion.index, out)
