@@ -274,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start()
         if args.node_rank == 0:
-            logger.info(
-                "radixserve ready on tcp://%s:%d (model %s)", args.host, args.port, model_path
-            )
+            http = f" and http://{args.host}:{args.http_port}" if args.http_port else ""
+            address = f"tcp://{args.host}:{args.port}{http}"
+            logger.info("radixserve ready on %s (model %s)", address, model_path)
         else:
             logger.info("radixserve node %d of %d ready", args.node_rank, args.nnodes)
         reason = server.watch()

@@ -18,6 +18,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     model: str = DEFAULT_MODEL
     host: str = "127.0.0.1"
     port: int = 30000
+    http_port: int = 30080  # 0: no HTTP server
     dtype: str = "auto"  # auto: float32 on CPUs without native bf16, the checkpoint's on GPU
     device: str = "auto"  # auto: cuda when available, else cpu
     context_length: int | None = None  # default: the model's max_position_embeddings
@@ -81,6 +82,8 @@ _HELP = {
     "id (the Hub when reachable, else the offline HF cache), or the bundled default model",
     "host": "address the client endpoint (a ZMQ ROUTER) binds",
     "port": "TCP port of the client endpoint",
+    "http_port": "TCP port of the HTTP server (OpenAI-compatible and SGLang's native API, "
+    "/metrics), on --host; 0 turns it off",
     "dtype": "weights and KV cache dtype; auto: float32 on CPUs without native bf16, bfloat16 on "
     "others, the checkpoint's half precision on GPU",
     "device": "auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N",
@@ -131,8 +134,8 @@ _HELP = {
     "`overloaded` error",
     "max_reply_backlog_bytes": "replies held for a client that reads slower than it asks; past "
     "it, that client's requests are aborted with an `overloaded` error",
-    "api_key": "require this key in the `api_key` field of every request but `health` (default: "
-    "none, no key)",
+    "api_key": "require this key of every request but a health check: in the `api_key` field "
+    "over ZMQ, as `Authorization: Bearer KEY` over HTTP (default: none)",
     "watchdog_timeout": "seconds a server process may go without a heartbeat before the server "
     "is stopped as hung",
     "shutdown_timeout": "on SIGTERM, seconds that requests in flight may take to finish before "
@@ -179,7 +182,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixserve",
-        description="Serve an LLM: clients send msgpack requests over ZMQ to tcp://HOST:PORT. "
+        description="Serve an LLM: clients send msgpack requests over ZMQ to tcp://HOST:PORT, "
+        "or HTTP (OpenAI's API) to http://HOST:HTTP_PORT. "
         "Ctrl-C or SIGTERM stops every process.",
     )
     add_cli_args(parser)

@@ -9,8 +9,9 @@ prompts of random ids, 128 new tokens, ignore_eos, greedy, streaming), and --lat
 sent one at a time. Prints output tok/s, TTFT p50/p99, ITL p50 (over every gap between two
 streamed tokens) and the ratios of the medians over rounds, beside the time to read every weight
 byte once: the floor of a decode step at concurrency 1. Without a vLLM install, radixserve runs
-alone. vLLM speaks HTTP (OpenAI completions, server-sent events); its client here is plain
-asyncio.
+alone. radixserve is driven through both its front doors, the ZMQ wire (AsyncClient) and HTTP
+(`radixserve-http`: OpenAI completions, server-sent events, the very client that drives vLLM,
+plain asyncio), so that the HTTP front's cost shows beside the ZMQ baseline of the same run.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def radixserve_sender(client: AsyncClient) -> Send:
     return send
 
 
-def vllm_sender(port: int, model: str) -> Send:
+def openai_sender(port: int, model: str) -> Send:
+    """Streamed /v1/completions over HTTP/1.1 (vLLM's server, or radixserve's)."""
+
     async def send(ids: list[int], new: int) -> Timing:
         body = json.dumps(
             {
@@ -122,7 +125,7 @@ def vllm_sender(port: int, model: str) -> Send:
         await writer.drain()
         status = await reader.readline()
         if b" 200 " not in status:
-            raise RuntimeError(f"vLLM answered {status!r}: {await reader.read(2000)!r}")
+            raise RuntimeError(f"the server answered {status!r}: {await reader.read(2000)!r}")
         while (await reader.readline()) not in (b"\r\n", b""):
             pass  # headers
         async for event in _sse_events(reader):
@@ -132,7 +135,7 @@ def vllm_sender(port: int, model: str) -> Send:
             if data.get("usage"):
                 timing.tokens = data["usage"]["completion_tokens"]
             if data.get("choices") and data["choices"][0].get("text"):
-                timing.add_chunk(1)  # vLLM streams one token per event
+                timing.add_chunk(1)  # vLLM and radixserve stream one token per event
         writer.close()
         return timing
 
@@ -233,6 +236,13 @@ def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | Non
         for e, m in med.items():
             ratio = m["ITL p50"] / stream_s
             print(f"- {e}: ITL p50 / weight streaming ({stream_s * 1e3:.1f} ms) = {ratio:.2f}x")
+    if "radixserve-http" in med:
+        http, zmq = med["radixserve-http"], med["radixserve"]
+        print(
+            f"- radixserve HTTP / ZMQ: throughput {http['tok/s'] / zmq['tok/s']:.3f}x, "
+            f"TTFT p50 {http['TTFT p50'] / zmq['TTFT p50']:.2f}x, "
+            f"ITL p50 {http['ITL p50'] / zmq['ITL p50']:.2f}x"
+        )
     if "vllm" in med:
         ours, peer = med["radixserve"], med["vllm"]
         print(
@@ -275,9 +285,12 @@ def main() -> None:
 
         async def rounds() -> None:
             async with AsyncClient(ours.address, timeout=3600) as client:
-                senders = {"radixserve": radixserve_sender(client)}
+                senders = {
+                    "radixserve": radixserve_sender(client),
+                    "radixserve-http": openai_sender(ours.http_port, model_dir),
+                }
                 if vllm_port is not None:
-                    senders["vllm"] = vllm_sender(vllm_port, model_dir)
+                    senders["vllm"] = openai_sender(vllm_port, model_dir)
                 for engine, send in senders.items():  # warm-up: compile, page in, fill pools
                     await concurrent(send, prompts[:8], 16, engine)
                 for _ in range(args.rounds):

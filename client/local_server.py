@@ -33,6 +33,11 @@ class LaunchedServer:
     proc: subprocess.Popen
     address: str
     log_path: Path
+    http_port: int = 0  # 0: the server has no HTTP front
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def port(self) -> int:
@@ -66,17 +71,17 @@ def launched_server(
     cwd: Path | None = None,
 ) -> Iterator[LaunchedServer]:
     """`command` starts the server (an installed `radixserve` entry point, say); `args` follow
-    its `--port`."""
-    port = free_port()
+    its `--port` and `--http-port` (free ports: servers started at once never collide)."""
+    port, http_port = free_port(), free_port()
     log_path = Path(tempfile.mkstemp(prefix="radixserve-test-", suffix=".log")[1])
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*command, "--port", str(port), *args],
+            [*command, "--port", str(port), "--http-port", str(http_port), *args],
             cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    server = LaunchedServer(proc, f"tcp://127.0.0.1:{port}", log_path)
+    server = LaunchedServer(proc, f"tcp://127.0.0.1:{port}", log_path, http_port)
     try:
         wait_healthy(server, start_timeout)
         yield server

@@ -33,6 +33,7 @@ from radixserve.client.local_server import (
 
 README = (REPO_ROOT / "README.md").read_text()
 README_PORT = "30001"
+README_HTTP_PORT = "30081"
 
 # Every command of the README, by how it starts, and the test that runs it.
 RUN_BY = {
@@ -41,6 +42,7 @@ RUN_BY = {
     "make test": "CI and `make test` itself: it runs this suite",
     "radixserve --help": "test_readme_server_help_line",
     "radixserve-client": "test_readme_client_lines_*",
+    "curl": "test_readme_curl_lines_*",
 }
 
 
@@ -65,7 +67,10 @@ def python_snippet() -> str:
     return snippet
 
 
-def aimed(line: str, port: int) -> str:
+def aimed(line: str, port: int, http_port: int = 0) -> str:
+    if README_HTTP_PORT in line:
+        line = line.replace(README_HTTP_PORT, str(http_port))
+        return line.replace(README_PORT, str(port))
     return line.replace(README_PORT, str(port)) if README_PORT in line else f"{line} --port {port}"
 
 
@@ -87,10 +92,11 @@ def shell(line: str, stdin: str | None = None) -> subprocess.CompletedProcess[st
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LaunchedServer]:
-    port = free_port()
+    port, http_port = free_port(), free_port()
     # `-o install`: installing is `make test`'s first step (test_make_installs_once checks when
     # it runs); PY: the interpreter running these tests.
-    line = f"{aimed(readme_line('make serve ARGS='), port)} PY={sys.executable} -o install"
+    serve = aimed(readme_line("make serve ARGS="), port, http_port)
+    line = f"{serve} PY={sys.executable} -o install"
     with tempfile.NamedTemporaryFile(prefix="radixserve-test-", suffix=".log") as log:
         # A session of its own, stopped as a terminal's Ctrl-C stops `make serve`: all of it.
         proc = subprocess.Popen(
@@ -100,7 +106,7 @@ def server() -> Iterator[LaunchedServer]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        launched = LaunchedServer(proc, f"tcp://127.0.0.1:{port}", Path(log.name))
+        launched = LaunchedServer(proc, f"tcp://127.0.0.1:{port}", Path(log.name), http_port)
         try:
             wait_healthy(launched, 300)
             yield launched
@@ -220,6 +226,39 @@ def test_readme_client_lines_interactive_keeps_the_conversation(server, client):
 def test_readme_client_lines_health(server):
     out = shell(aimed(readme_line("radixserve-client --port 30001 --health"), server.port))
     assert json.loads(out.stdout) == {"type": "health", "status": "ok"}
+
+
+def test_readme_curl_lines_answer_as_the_zmq_client_does(server, client):
+    def client_ids(messages: list[dict[str, str]]) -> list[int]:
+        params = {"temperature": 0, "max_new_tokens": 16}
+        return client.generate(messages=messages, sampling_params=params).output_ids
+
+    def curl(start: str) -> str:
+        return shell(aimed(readme_line(start), server.port, server.http_port)).stdout
+
+    greedy = {"temperature": 0, "max_new_tokens": 8}
+    completion = json.loads(curl("curl -s localhost:30081/v1/completions"))
+    want = client.generate("The capital of France is", sampling_params=greedy).text
+    assert completion["choices"][0]["text"] == want and "Paris" in want
+
+    chat = json.loads(curl("curl -s localhost:30081/v1/chat/completions"))
+    question = [user("What is the capital of France?")]
+    answer_text = answer(client, question, temperature=0, max_new_tokens=16)
+    assert chat["choices"][0]["message"]["content"] == answer_text
+    assert chat["usage"]["completion_tokens"] == len(client_ids(question))
+
+    events = curl("curl -sN localhost:30081/v1/chat/completions").split("\n\n")
+    payloads = [e.removeprefix("data: ") for e in events if e]
+    assert payloads[-1] == "[DONE]"
+    deltas = [json.loads(p)["choices"][0]["delta"].get("content", "") for p in payloads[:-1]]
+    assert len(deltas) > 1 and "".join(deltas) == answer_text
+
+    generated = json.loads(curl("curl -s localhost:30081/generate"))
+    assert generated["text"] == want and generated["meta_info"]["completion_tokens"] == 8
+
+    metrics = curl("curl -s localhost:30081/metrics")
+    (requests,) = [r for r in metrics.splitlines() if r.startswith("radixserve:num_requests_total")]
+    assert float(requests.split()[1]) >= 4
 
 
 def test_readme_python_snippet_runs(server):

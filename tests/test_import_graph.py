@@ -18,6 +18,7 @@ LAYERS = {
     "scheduler": 2,
     "tokenizer_manager": 3,
     "detokenizer": 3,
+    "http_server": 3,
     "launch": 4,
 }
 NOT_PACKAGE = {".venv", "build", "tests", "benchmarks"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -23,6 +24,7 @@ from radixserve.client.local_server import REPO_ROOT, launched_server
 REPO_NAMES = (
     "client",
     "detokenizer",
+    "http_server",
     "launch",
     "model_worker",
     "process_setup",
@@ -70,6 +72,10 @@ def env(tmp_path_factory, wheel) -> Path:
     root = tmp_path_factory.mktemp("venv")
     venv.create(root, system_site_packages=True, with_pip=False)
     site = next((root / "lib").glob("python3*/site-packages"))
+    # Run from a venv, this interpreter's own packages (uvicorn, ...) are not the system's: a
+    # path file lists them, after the venv's own (it holds no .pth hooks such as an editable
+    # install's: those run only in site directories).
+    (site / "test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     for name in REPO_NAMES:
         (site / name).mkdir()
         (site / name / "__init__.py").write_text(

@@ -74,7 +74,7 @@ def test_ctrl_c_while_starting_stops_everything_without_a_traceback():
     with tempfile.NamedTemporaryFile(prefix="radixserve-test-", suffix=".log") as log:
         # Its own process group, which a terminal's Ctrl-C signals as a whole.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.launch", "--port", str(port)],
+            [sys.executable, "-m", "radixserve.launch", "--port", str(port), "--http-port", "0"],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

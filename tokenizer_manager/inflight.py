@@ -51,6 +51,7 @@ class Completion:
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[Logprob] = field(default_factory=list)
     top_logprobs: list[list[Logprob]] = field(default_factory=list)
+    last_tokens_at: float | None = None  # when its previous output with tokens came (metrics)
 
     def reply(self, out: ReqStrOut) -> OutputReply | None:
         """The client's reply to this output: every piece when streaming, else the whole

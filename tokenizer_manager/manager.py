@@ -52,6 +52,8 @@ from radixserve.protocol.wire import (
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager import request_log
 from radixserve.tokenizer_manager.inflight import Envelope, InFlight, InFlightRequest
+from radixserve.tokenizer_manager.local_client import LocalClient
+from radixserve.tokenizer_manager.metrics import Metrics
 from radixserve.tokenizer_manager.outbox import Delivery, Outbox
 from radixserve.tokenizer_manager.request_decoder import ClientError, RequestDecoder
 from radixserve.tokenizer_manager.sampling_defaults import (
@@ -73,8 +75,8 @@ class TokenizerManager:
         model_config = ModelConfig.from_dir(model_path)
         # An upper bound on the prompt, to refuse text too long before tokenizing it; the
         # scheduler, which owns the context length, checks the token count.
-        context_len = args.context_length or model_config.max_position_embeddings
-        self.tokenization = Tokenization(model_path, model_config.vocab_size, context_len)
+        self.context_len = args.context_length or model_config.max_position_embeddings
+        self.tokenization = Tokenization(model_path, model_config.vocab_size, self.context_len)
         self.sampling_defaults = load_sampling_defaults(model_path, args.sampling_defaults)
         self.ctx = zmq.asyncio.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -95,6 +97,9 @@ class TokenizerManager:
         self.inflight = InFlight()
         self.pending_queries: dict[int, Envelope] = {}
         self.query_ids = itertools.count()
+        self.local_clients: dict[bytes, LocalClient] = {}
+        self.local_ids = itertools.count()
+        self.metrics = Metrics()
         self.accepting = True
 
     # ---- client -> server ----------------------------------------------------------------------
@@ -112,13 +117,22 @@ class TokenizerManager:
             try:
                 req = self.decoder.decode(frames[-1])
                 req = apply_sampling_defaults(req, frames[-1], self.sampling_defaults)
-                await self.handle_request(envelope, req)
             except ClientError as e:
                 await self.reply_error(envelope, e)
-            except Exception as e:  # a bug must cost this client its request, not the server
-                logger.exception("request failed")
-                error = ClientError("internal", f"{type(e).__name__}: {e}")
-                await self.reply_error(envelope, error)
+                continue
+            await self.submit(envelope, req)
+
+    async def submit(self, envelope: Envelope, req: Any) -> None:
+        """A decoded, authorized request, from either front door: its answers, or one error,
+        go to `envelope`."""
+        try:
+            await self.handle_request(envelope, req)
+        except ClientError as e:
+            await self.reply_error(envelope, e)
+        except Exception as e:  # a bug must cost this client its request, not the server
+            logger.exception("request failed")
+            error = ClientError("internal", f"{type(e).__name__}: {e}")
+            await self.reply_error(envelope, error)
 
     async def handle_request(self, envelope: Envelope, req: Any) -> None:
         match req:
@@ -203,7 +217,12 @@ class TokenizerManager:
             return
         request = completion.request
         finished = out.finished_reason is not None
+        if out.new_token_ids:
+            now = time.monotonic()
+            self.metrics.on_tokens(request, completion.last_tokens_at, out, now)
+            completion.last_tokens_at = now
         if finished:
+            self.metrics.on_finished(request, out)
             self.inflight.end(out.rid)
             if self.args.log_requests:
                 request_log.finished(request, completion.index, out)
@@ -252,7 +271,7 @@ class TokenizerManager:
         if too_slow:
             for request in owed:
                 error = ErrorReply("overloaded", _TOO_SLOW, rid=request.rid)
-                self.outbox.send(request.envelope, self.encoder.encode(error))
+                self._deliver(request.envelope, error)
 
     async def flush_loop(self) -> None:
         """Retry the replies that wait for room in a slow client's queue."""
@@ -275,11 +294,32 @@ class TokenizerManager:
     async def reply(
         self, envelope: Envelope, reply: msgspec.Struct, request: InFlightRequest | None = None
     ) -> None:
-        match self.outbox.send(envelope, self.encoder.encode(reply), request):
+        match self._deliver(envelope, reply, request):
             case Delivery.GONE:
                 await self.drop_client(envelope[0])
             case Delivery.OVERFLOW:
                 await self.drop_client(envelope[0], too_slow=True)
+
+    def _deliver(
+        self, envelope: Envelope, reply: msgspec.Struct, request: InFlightRequest | None = None
+    ) -> Delivery:
+        local = self.local_clients.get(envelope[0])
+        if local is not None:
+            return Delivery.SENT if local.put(reply) else Delivery.OVERFLOW
+        return self.outbox.send(envelope, self.encoder.encode(reply), request)
+
+    # ---- in-process clients (the HTTP front) ---------------------------------------------------
+
+    def open_local_client(self) -> LocalClient:
+        client = LocalClient(next(self.local_ids), self.args.max_reply_backlog_bytes)
+        self.local_clients[client.peer] = client
+        return client
+
+    async def close_local_client(self, client: LocalClient) -> None:
+        """The client is done or gone: what it still has in flight is aborted."""
+        if self.local_clients.pop(client.peer, None) is not None:
+            client.close()
+            await self.drop_client(client.peer)
 
     # ---- shutdown ------------------------------------------------------------------------------
 

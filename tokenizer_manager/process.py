@@ -9,13 +9,21 @@ from multiprocessing.connection import Connection
 import msgspec
 import uvloop
 
+from radixserve.http_server.app import HttpServer, bind
 from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat, configure_process
 from radixserve.protocol.internal import ProcessReady
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager.manager import TokenizerManager
 
+HTTP_CLOSE_S = 3.0  # at shutdown, how long the HTTP server may take to close its connections
 
-async def _serve(manager: TokenizerManager, ready_writer: Connection, heartbeat: Heartbeat) -> None:
+
+async def _serve(
+    manager: TokenizerManager,
+    http: HttpServer | None,
+    ready_writer: Connection,
+    heartbeat: Heartbeat,
+) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     loops = [
@@ -24,12 +32,17 @@ async def _serve(manager: TokenizerManager, ready_writer: Connection, heartbeat:
         asyncio.create_task(manager.flush_loop()),
         asyncio.create_task(_beat(heartbeat)),
     ]
+    if http is not None:
+        loops.append(asyncio.create_task(http.run_on_loop()))
     ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("tokenizer_manager")))
     stopping = asyncio.create_task(stop.wait())
     # A loop ending means a bug; let it take the process, and so the server, down.
     done, _ = await asyncio.wait([*loops, stopping], return_when=asyncio.FIRST_COMPLETED)
     if stopping in done:
         await manager.shutdown()  # the loops keep running meanwhile: replies must still go out
+        if http is not None:
+            http.should_exit = True  # its responses are complete: it closes its connections
+            await asyncio.wait([loops[-1]], timeout=HTTP_CLOSE_S)
     for task in loops:
         if task.done():
             task.result()
@@ -54,4 +67,5 @@ def run_tokenizer_manager_process(
 ) -> None:
     configure_process("tokenizer_manager", args)
     manager = TokenizerManager(args, model_path, ipc_dir)
-    uvloop.run(_serve(manager, ready_writer, heartbeat))
+    http = HttpServer(manager, bind(args.host, args.http_port)) if args.http_port else None
+    uvloop.run(_serve(manager, http, ready_writer, heartbeat))

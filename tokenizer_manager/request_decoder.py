@@ -52,14 +52,14 @@ class RequestDecoder:
             req = self._decoder.decode(payload)
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
             rid, api_key = self._label_of(payload)
-            self._authorize(api_key, rid)
+            self.authorize(api_key, rid)
             message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise ClientError("invalid_request", message, rid) from None
         if not isinstance(req, HealthRequest):  # liveness probes carry no secret (as SGLang)
-            self._authorize(req.api_key, getattr(req, "rid", None))
+            self.authorize(req.api_key, getattr(req, "rid", None))
         return req
 
-    def _authorize(self, api_key: str | None, rid: str | None) -> None:
+    def authorize(self, api_key: str | None, rid: str | None) -> None:
         if self.api_key is None:
             return
         # compare_digest takes as long for any wrong key: timing tells nothing of the right one.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ class _SentSamplingParams(msgspec.Struct):
 
 
 _sent_decoder = msgspec.msgpack.Decoder(_SentSamplingParams)
+_sent_json_decoder = msgspec.json.Decoder(_SentSamplingParams)
 
 
 def load_sampling_defaults(model_path: str, mode: str) -> dict[str, Any]:
@@ -52,10 +54,21 @@ def load_sampling_defaults(model_path: str, mode: str) -> dict[str, Any]:
 def apply_sampling_defaults(
     req: msgspec.Struct, payload: bytes, defaults: dict[str, Any]
 ) -> msgspec.Struct:
-    """`req`, decoded from `payload`, with the defaults of the fields it did not send."""
+    """`req`, decoded from msgpack `payload`, with the defaults of the fields it did not send."""
     if not defaults or not isinstance(req, GenerateRequest):
         return req
-    sent = _sent_decoder.decode(payload).sampling_params
+    return fill_sampling_defaults(req, _sent_decoder.decode(payload).sampling_params, defaults)
+
+
+def sent_sampling_fields_json(body: bytes) -> Collection[str]:
+    """The sampling_params keys of a JSON `generate` body (HTTP), their values skipped unread."""
+    return _sent_json_decoder.decode(body).sampling_params.keys()
+
+
+def fill_sampling_defaults(
+    req: GenerateRequest, sent: Collection[str], defaults: dict[str, Any]
+) -> GenerateRequest:
+    """`req` with the defaults of the sampling fields that are not in `sent`."""
     missing = {name: value for name, value in defaults.items() if name not in sent}
     if not missing:
         return req

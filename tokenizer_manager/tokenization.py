@@ -35,6 +35,14 @@ class Tokenization:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._worker, self.input_ids, req)
 
+    async def token_texts_async(self, ids: list[int]) -> list[str]:
+        """Each token's own text (OpenAI's logprobs name tokens so), on the worker thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, self._token_texts, ids)
+
+    def _token_texts(self, ids: list[int]) -> list[str]:
+        return self.tokenizer.batch_decode([[i] for i in ids])
+
     def input_ids(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids; ValueError naming the field for ids outside the vocabulary,
         PromptTooLong for a text that cannot fit the context."""

@@ -1,0 +1,140 @@
+"""What every HTTP endpoint shares: the request body under its size limit, the API key, errors
+in OpenAI's JSON shape, and the one request path into the tokenizer manager.
+
+An HTTP request is a local client of the manager (tokenizer_manager/local_client.py): its
+`generate`s are validated, tokenized, tracked and aborted exactly as a ZMQ client's are. When the
+HTTP client disconnects, the manager is told at once, and aborts what it had in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.protocol.wire import ErrorReply, GenerateRequest, OutputReply
+from radixserve.tokenizer_manager.local_client import LocalClient
+from radixserve.tokenizer_manager.manager import TokenizerManager
+from radixserve.tokenizer_manager.request_decoder import ClientError
+
+# The wire's error codes as HTTP statuses (OpenAI's: 400 bad request, 401 bad key, 404 not found,
+# 503 overloaded).
+STATUS = {
+    "invalid_request": 400,
+    "too_long": 400,
+    "unauthorized": 401,
+    "not_found": 404,
+    "too_large": 413,
+    "overloaded": 503,
+    "internal": 500,
+}
+# OpenAI's error `type` for each status.
+_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+
+_json = msgspec.json.Encoder()
+
+
+class HttpError(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+    @classmethod
+    def of(cls, reply: ErrorReply) -> HttpError:
+        return cls(reply.code, reply.message)
+
+
+def error_body(error: HttpError) -> dict[str, Any]:
+    status = STATUS[error.code]
+    kind = _ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {
+        "error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}
+    }
+
+
+def error_response(error: HttpError) -> Response:
+    return json_response(error_body(error), STATUS[error.code])
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(_json.encode(body), status, media_type="application/json")
+
+
+def sse(body: Any) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class Front:
+    def __init__(self, manager: TokenizerManager):
+        self.manager = manager
+        self.max_body_bytes = manager.args.max_request_bytes
+
+    def authorize(self, request: Request) -> None:
+        """`Authorization: Bearer KEY` when the server runs with --api-key."""
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        try:
+            self.manager.decoder.authorize(key if scheme.lower() == "bearer" else None, None)
+        except ClientError as e:
+            raise HttpError(e.code, "missing or wrong API key (Authorization: Bearer)") from None
+
+    async def body(self, request: Request) -> bytes:
+        """The body, refused past --max-request-bytes before it is held whole."""
+        declared = request.headers.get("content-length", "0")
+        if not declared.isdigit() or int(declared) > self.max_body_bytes:
+            raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def query(self, query_type: type) -> msgspec.Struct:
+        """A control query (health, model_info, server_info, flush_cache) and its answer."""
+        client = self.manager.open_local_client()
+        try:
+            await self.manager.forward_query([client.peer], query_type)
+            reply = await client.get()
+            assert reply is not None
+            return reply
+        finally:
+            await self.manager.close_local_client(client)
+
+    async def outputs(
+        self, request: Request, generates: list[GenerateRequest]
+    ) -> AsyncIterator[OutputReply]:
+        """The replies to `generates` (one HTTP request's), until each completion's final. Ends
+        early when the HTTP client disconnects (its requests aborted); HttpError for an error."""
+        client = self.manager.open_local_client()
+        watch = asyncio.create_task(self._abort_on_disconnect(request, client))
+        try:
+            for generate in generates:
+                await self.manager.submit([client.peer], generate)
+            unfinished = sum(g.sampling_params.n for g in generates)
+            while unfinished:
+                reply = await client.get()
+                if reply is None:  # the HTTP client is gone
+                    return
+                if isinstance(reply, ErrorReply):
+                    raise HttpError.of(reply)
+                assert isinstance(reply, OutputReply)
+                unfinished -= reply.finished
+                yield reply
+        finally:
+            watch.cancel()
+            await self.manager.close_local_client(client)
+
+    async def _abort_on_disconnect(self, request: Request, client: LocalClient) -> None:
+        # The body is read: what the server sends next is http.disconnect, when the client
+        # closes the connection (or after the response ends).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        await self.manager.close_local_client(client)

@@ -1,0 +1,90 @@
+"""SGLang's native endpoints: /generate (the wire's `generate` as JSON), /health,
+/get_model_info, /get_server_info, /flush_cache, and /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from radixserve.http_server.front import (
+    SSE_DONE,
+    Front,
+    HttpError,
+    error_body,
+    json_response,
+    sse,
+)
+from radixserve.protocol.internal import FlushCacheReq, HealthReq, ModelInfoReq, ServerInfoReq
+from radixserve.protocol.wire import FlushCacheReply, GenerateRequest, OutputReply, ServerInfoReply
+from radixserve.tokenizer_manager.sampling_defaults import (
+    fill_sampling_defaults,
+    sent_sampling_fields_json,
+)
+
+
+class NativeApi:
+    def __init__(self, front: Front):
+        self.front = front
+        self._generate_decoder = msgspec.json.Decoder(GenerateRequest)
+
+    async def generate(self, request: Request) -> Response:
+        self.front.authorize(request)
+        body = await self.front.body(request)
+        try:
+            req = self._generate_decoder.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+            message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise HttpError("invalid_request", message) from None
+        defaults = self.front.manager.sampling_defaults
+        if defaults:
+            req = fill_sampling_defaults(req, sent_sampling_fields_json(body), defaults)
+        outputs = self.front.outputs(request, [req])
+        if req.stream:
+            first = await anext(outputs, None)  # an error before any output is an HTTP status
+            return StreamingResponse(_events(first, outputs), media_type="text/event-stream")
+        replies = sorted([r async for r in outputs], key=lambda r: r.index or 0)
+        if len(replies) == 1:
+            return json_response(replies[0])
+        return json_response(replies)
+
+    async def health(self, request: Request) -> Response:
+        await self.front.query(HealthReq)
+        return Response(status_code=200)
+
+    async def model_info(self, request: Request) -> Response:
+        self.front.authorize(request)
+        return json_response(await self.front.query(ModelInfoReq))
+
+    async def server_info(self, request: Request) -> Response:
+        self.front.authorize(request)
+        return json_response(await self.front.query(ServerInfoReq))
+
+    async def flush_cache(self, request: Request) -> Response:
+        self.front.authorize(request)
+        reply = await self.front.query(FlushCacheReq)
+        assert isinstance(reply, FlushCacheReply)
+        return json_response(reply, 200 if reply.success else 400)
+
+    async def metrics(self, request: Request) -> Response:
+        self.front.authorize(request)
+        info = await self.front.query(ServerInfoReq)
+        assert isinstance(info, ServerInfoReply)
+        body = self.front.manager.metrics.expose(info)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _events(
+    first: OutputReply | None, rest: AsyncIterator[OutputReply]
+) -> AsyncIterator[bytes]:
+    """Each output as one server-sent event, then [DONE]; an error mid-way is an event too."""
+    try:
+        if first is not None:
+            yield sse(first)
+        async for reply in rest:
+            yield sse(reply)
+    except HttpError as e:
+        yield sse(error_body(e))
+    yield SSE_DONE

@@ -1,0 +1,145 @@
+"""OpenAI's response bodies, built from the wire's `output` replies: whole completions, stream
+chunks, usage and logprobs. Plain dicts, encoded by msgspec's JSON encoder."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.protocol.wire import OutputReply
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of one HTTP request: each prompt once, every completion's output."""
+
+    prompt: dict[str, tuple[int, int]] = field(default_factory=dict)  # rid -> (tokens, cached)
+    completion_tokens: int = 0
+
+    def add_final(self, reply: OutputReply) -> None:
+        meta = reply.meta_info
+        self.completion_tokens += meta.completion_tokens
+        # The n completions of a prompt share it; the first to finish tells its counts.
+        self.prompt.setdefault(reply.rid, (meta.prompt_tokens, meta.cached_tokens))
+
+    def as_json(self) -> dict[str, Any]:
+        prompt_tokens = sum(tokens for tokens, _ in self.prompt.values())
+        cached = sum(cached for _, cached in self.prompt.values())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+def choice_index(reply: OutputReply, n: int) -> int:
+    """Choices count prompt by prompt, each prompt's n completions in a row (as OpenAI)."""
+    return int(reply.rid) * n + (reply.index or 0)
+
+
+def finish_reason(reply: OutputReply) -> str | None:
+    reason = reply.meta_info.finish_reason
+    return None if reason is None else reason.type
+
+
+def completion_logprobs(reply: OutputReply, texts: dict[int, str]) -> dict[str, Any] | None:
+    """/v1/completions' logprobs: parallel lists over the reply's tokens."""
+    meta = reply.meta_info
+    if meta.output_token_logprobs is None:
+        return None
+    offsets, offset = [], 0
+    for _, token in meta.output_token_logprobs:
+        offsets.append(offset)
+        offset += len(texts[token])
+    top = meta.output_top_logprobs
+    return {
+        "tokens": [texts[token] for _, token in meta.output_token_logprobs],
+        "token_logprobs": [logprob for logprob, _ in meta.output_token_logprobs],
+        "top_logprobs": None
+        if top is None
+        else [{texts[t]: lp for lp, t in position} for position in top],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(reply: OutputReply, texts: dict[int, str]) -> dict[str, Any] | None:
+    """/v1/chat/completions' logprobs: one entry per token, with its top alternatives."""
+    meta = reply.meta_info
+    if meta.output_token_logprobs is None:
+        return None
+    top = meta.output_top_logprobs or [[] for _ in meta.output_token_logprobs]
+
+    def entry(logprob: float, token: int) -> dict[str, Any]:
+        text = texts[token]
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(lp, token), "top_logprobs": [entry(*alt) for alt in alts]}
+            for (lp, token), alts in zip(meta.output_token_logprobs, top)
+        ]
+    }
+
+
+def logprob_token_ids(reply: OutputReply) -> list[int]:
+    """Every token id the reply's logprobs name: their texts are looked up at once."""
+    meta = reply.meta_info
+    ids = [token for _, token in meta.output_token_logprobs or []]
+    for position in meta.output_top_logprobs or []:
+        ids += [token for _, token in position]
+    return ids
+
+
+def completion_body(
+    rid: str, model: str, choices: list[dict[str, Any]], usage: Usage | None, chat: bool
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        body["usage"] = usage.as_json()
+    return body
+
+
+def chunk_body(
+    rid: str, model: str, choices: list[dict[str, Any]], chat: bool, usage: Usage | None = None
+) -> dict[str, Any]:
+    body = completion_body(rid, model, choices, usage, chat)
+    body["object"] = "chat.completion.chunk" if chat else "text_completion"
+    return body
+
+
+def choice(reply: OutputReply, n: int, text: str, chat: bool, logprobs: Any) -> dict[str, Any]:
+    """A whole choice (not streamed)."""
+    body: dict[str, Any] = {"index": choice_index(reply, n)}
+    if chat:
+        body["message"] = {"role": "assistant", "content": text}
+    else:
+        body["text"] = text
+    body["logprobs"] = logprobs
+    body["finish_reason"] = finish_reason(reply)
+    return body
+
+
+def chunk_choice(reply: OutputReply, n: int, chat: bool, first: bool, logprobs: Any) -> dict:
+    """A streamed piece of a choice: the new text (a chat's first piece names the role)."""
+    body: dict[str, Any] = {"index": choice_index(reply, n)}
+    if chat:
+        delta = {"role": "assistant", "content": reply.text} if first else {"content": reply.text}
+        body["delta"] = delta
+    else:
+        body["text"] = reply.text
+    body["logprobs"] = logprobs
+    body["finish_reason"] = finish_reason(reply)
+    return body

@@ -1,0 +1,267 @@
+"""The HTTP front door, driven by the real `openai` package and httpx against one live server of
+the tiny model (its text is noise, but a fixed function of the prompt): OpenAI's completions and
+chat, streamed and not, SGLang's native endpoints, an SSE client that leaves, and /metrics. Each
+answer is checked against the ZMQ client's answer to the same request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tm_harness import tokenizer_manager
+
+from radixserve.client import Client
+from radixserve.client.local_server import LaunchedServer, launched_server
+from radixserve.http_server.app import build_app
+from radixserve.protocol.internal import HealthReq
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+CHAT = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_served_model) -> Iterator[LaunchedServer]:
+    flags = ("--model", str(tiny_served_model), "--max-total-tokens", "8192")
+    with launched_server(*flags, "--check-invariants") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return httpx.get(f"{server.http_url}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def zmq_client(server) -> Iterator[Client]:
+    with Client(server.address, timeout=600) as c:
+        yield c
+
+
+def test_completions_equal_the_zmq_clients_greedy_text(oai, model, zmq_client):
+    prompt = "The capital of France is"
+    want = zmq_client.generate(prompt, sampling_params=GREEDY)
+    got = oai.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    (choice,) = got.choices
+    assert choice.text == want.text and choice.finish_reason == "length"
+    assert got.usage.completion_tokens == 8
+    assert got.usage.prompt_tokens == want.meta_info.prompt_tokens
+
+    # Token ids and a list of prompts: one choice per prompt, in order.
+    ids = zmq_client.generate("Once upon", sampling_params=GREEDY)
+    both = oai.completions.create(
+        model=model, prompt=[prompt, "Once upon"], max_tokens=8, temperature=0
+    )
+    assert [c.text for c in both.choices] == [want.text, ids.text]
+    by_ids = oai.completions.create(
+        model=model, prompt=want.output_ids[:3], max_tokens=4, temperature=0
+    )
+    from_ids = zmq_client.generate(
+        input_ids=want.output_ids[:3], sampling_params={**GREEDY, "max_new_tokens": 4}
+    )
+    assert by_ids.choices[0].text == from_ids.text
+
+
+def test_chat_streamed_and_not_equals_the_zmq_clients(oai, model, zmq_client):
+    want = zmq_client.generate(messages=CHAT, sampling_params=GREEDY).text
+    whole = oai.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0)
+    assert whole.choices[0].message.content == want
+    assert whole.choices[0].message.role == "assistant"
+
+    stream = oai.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-2].choices[0].finish_reason == "length"
+    usage = chunks[-1].usage  # include_usage: a last chunk with usage and no choices
+    assert not chunks[-1].choices and usage.completion_tokens == 8
+    # The same conversation again: its prompt comes from the prefix cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
+def test_n_seed_stop_and_logprobs(oai, model, zmq_client):
+    two = oai.completions.create(
+        model=model, prompt="Hello", n=2, seed=3, temperature=1.0, max_tokens=8
+    )
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.choices[0].text != two.choices[1].text
+    assert two.usage.completion_tokens == 16
+
+    prompt = "Tell me"
+    free = zmq_client.generate(prompt, sampling_params={**GREEDY, "max_new_tokens": 12}).text
+    stop = free[len(free) // 2 :][:2]  # a piece from the middle of the free text
+    stopped = oai.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, stop=stop
+    )
+    text = stopped.choices[0].text
+    assert free.startswith(text) and stop not in text and stopped.choices[0].finish_reason == "stop"
+
+    want = zmq_client.generate(prompt, sampling_params=GREEDY, return_logprob=True)
+    got = oai.completions.create(
+        model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=2
+    )
+    logprobs = got.choices[0].logprobs
+    expected = want.meta_info.output_token_logprobs
+    assert logprobs.token_logprobs == pytest.approx([lp for lp, _ in expected])
+    assert "".join(logprobs.tokens) == want.text
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+
+    chat = oai.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)  # greedy
+
+
+def test_errors_have_openais_shape_and_status(oai, model, server):
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="no-such-model", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt="x", temperature=-1)
+    assert "temperature" in str(e.value)
+    bad = httpx.post(f"{server.http_url}/v1/chat/completions", json={"model": model, "x": 1})
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert error["type"] == "invalid_request_error" and "`x`" in error["message"]
+    deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nested = httpx.post(f"{server.http_url}/v1/completions", content=deep)
+    assert nested.status_code == 400 and "nested" in nested.json()["error"]["message"]
+    too_long = httpx.post(
+        f"{server.http_url}/generate", json={"input_ids": [5] * 2000, "stream": True}
+    )
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "too_long"
+
+
+def test_native_endpoints(server, zmq_client):
+    url = server.http_url
+    body = {"text": "The capital of France is", "sampling_params": GREEDY}
+    whole = httpx.post(f"{url}/generate", json=body).json()
+    assert whole["text"] == zmq_client.generate(**body).text and whole["finished"]
+
+    with httpx.stream("POST", f"{url}/generate", json={**body, "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["text"] for e in events[:-1]) == whole["text"]
+
+    assert httpx.get(f"{url}/health").status_code == 200
+    info = httpx.get(f"{url}/get_model_info").json()
+    assert info["architecture"] == "LlamaForCausalLM"
+    assert "kv_tokens_total" in httpx.get(f"{url}/get_server_info").json()
+    assert httpx.post(f"{url}/flush_cache").json()["success"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_has_its_request_aborted(server, model, stream):
+    """Streamed or not, its KV is freed at once, long before the 1,000 tokens it asked for (a
+    request not streamed sends nothing until its end: only the connection's close tells)."""
+    url = server.http_url
+    body = {"model": model, "prompt": "Go on", "max_tokens": 1000, "ignore_eos": True}
+    request = json.dumps({**body, "stream": stream}).encode()
+    before = _metrics(url)
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(request)}\r\n"
+        sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + request)
+        if stream:
+            received = b""
+            while received.count(b"data: ") < 3:  # three tokens streamed: it runs
+                received += sock.recv(65536)
+        else:
+            _wait_for(url, lambda info: info["running_requests"] == 1)
+        assert httpx.get(f"{url}/get_server_info").json()["running_requests"] == 1
+    _wait_for(url, lambda info: info["running_requests"] == 0)
+    after = _metrics(url)
+    aborted = "radixserve:num_aborted_requests_total"
+    assert after[aborted] == before[aborted] + 1
+    generated = "radixserve:generation_tokens_total"
+    assert after[generated] - before[generated] < 100
+    # Nothing holds KV any more: the cache can be emptied, and then no slot is in use.
+    assert httpx.post(f"{url}/flush_cache").json()["success"]
+    assert httpx.get(f"{url}/get_server_info").json()["kv_tokens_used"] == 0
+
+
+def _wait_for(url: str, condition: Callable[[dict], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition(httpx.get(f"{url}/get_server_info").json()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_metrics_parse_and_move_under_load(server, oai, model):
+    url = server.http_url
+    before = _metrics(url)
+    for _ in range(3):
+        oai.completions.create(
+            model=model, prompt="Count", max_tokens=5, temperature=0, stream=False
+        )
+    list(oai.completions.create(model=model, prompt="Count", max_tokens=5, stream=True))
+    after = _metrics(url)
+    assert after["radixserve:num_requests_total"] == before["radixserve:num_requests_total"] + 4
+    assert (
+        after["radixserve:generation_tokens_total"]
+        >= before["radixserve:generation_tokens_total"] + 20
+    )
+    assert after["radixserve:prompt_tokens_total"] > before["radixserve:prompt_tokens_total"]
+    ttft = "radixserve:time_to_first_token_seconds_count"
+    assert after[ttft] == before.get(ttft, 0) + 1  # the streamed one
+    assert "radixserve:num_running_reqs" in after and "radixserve:token_usage" in after
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
+
+
+def test_api_key_and_body_limit(tiny_served_model):
+    """The app in-process over the tokenizer manager alone (tm_harness plays the scheduler):
+    without `Authorization: Bearer KEY` nothing reaches the scheduler; a body over
+    --max-request-bytes is refused before it is read whole."""
+    key = "s3cret"
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, api_key=key, max_request_bytes=4096) as h:
+            app = build_app(h.manager)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                body = {"model": str(tiny_served_model), "prompt": "Hi", "max_tokens": 2}
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                    r = await http.post("/v1/completions", json=body, headers=headers)
+                    assert r.status_code == 401
+                    assert r.json()["error"]["type"] == "authentication_error"
+                for path in ("/v1/models", "/get_server_info", "/metrics"):
+                    assert (await http.get(path)).status_code == 401
+                assert not await h.scheduler.poll(100)  # nothing ran, nothing was queued
+                good = {"Authorization": f"Bearer {key}"}
+                big = {**body, "prompt": "x" * 5000}
+                r = await http.post("/v1/completions", json=big, headers=good)
+                assert r.status_code == 413
+                assert not await h.scheduler.poll(100)
+                health = asyncio.create_task(http.get("/health"))  # needs no key
+                assert isinstance(await h.to_scheduler(), HealthReq)
+                health.cancel()
+
+    asyncio.run(scenario())
