@@ -182,7 +182,7 @@ async def _mixed_load(address: str) -> dict[str, Any]:
         async def one(i: int, text: str) -> None:
             params: dict[str, Any] = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
             if i % 4 == 1:
-                params["stop"] = ["the", "sea"]
+                params["stop"] = ["e"]
             if i % 5 == 2:
                 params |= {"repetition_penalty": 1.2, "frequency_penalty": 0.3}
             if i % 6 == 3:
