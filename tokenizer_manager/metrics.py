@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from radixserve.protocol.internal import ReqStrOut
 from radixserve.protocol.wire import ServerInfoReply
-from radixserve.tokenizer_manager.inflight import ClientRequest
+from radixserve.tokenizer_manager.inflight import InFlightRequest
 
 PREFIX = "radixserve:"
 # SGLang's buckets (seconds), cut to what a CPU server sees.
@@ -57,7 +57,7 @@ class Metrics:
         )
 
     def on_tokens(
-        self, request: ClientRequest, previous: float | None, out: ReqStrOut, now: float
+        self, request: InFlightRequest, previous: float | None, out: ReqStrOut, now: float
     ) -> None:
         """An output with tokens; `previous`: when the completion's last one came. Only streamed
         completions time their tokens: the others come whole at their end."""
@@ -69,7 +69,7 @@ class Metrics:
         else:
             self.itl.observe((now - previous) / len(out.new_token_ids))
 
-    def on_finished(self, request: ClientRequest, out: ReqStrOut) -> None:
+    def on_finished(self, request: InFlightRequest, out: ReqStrOut) -> None:
         assert out.finished_reason is not None
         self.num_requests.inc()
         if out.finished_reason.type == "abort":
