@@ -19,6 +19,7 @@ from radixserve.process_setup import (
     Heartbeat,
     configure_process,
     keep_freed_memory,
+    release_freed_memory,
 )
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
@@ -156,8 +157,10 @@ class SchedulerProcess:
             for msg in msgs:
                 self.process_input_request(msg)
             if ran or msgs:
-                ran = scheduler.step() is not None
+                was_running, ran = ran, scheduler.step() is not None
                 self.stream_output()
+                if was_running and not ran:
+                    release_freed_memory()
             if not ran:
                 self.worker.keep_alive()  # the other TP ranks beat on rank 0's broadcasts
 
