@@ -237,19 +237,16 @@ def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | Non
             ratio = m["ITL p50"] / stream_s
             print(f"- {e}: ITL p50 / weight streaming ({stream_s * 1e3:.1f} ms) = {ratio:.2f}x")
     if "radixserve-http" in med:
-        http, zmq = med["radixserve-http"], med["radixserve"]
-        print(
-            f"- radixserve HTTP / ZMQ: throughput {http['tok/s'] / zmq['tok/s']:.3f}x, "
-            f"TTFT p50 {http['TTFT p50'] / zmq['TTFT p50']:.2f}x, "
-            f"ITL p50 {http['ITL p50'] / zmq['ITL p50']:.2f}x"
-        )
+        _print_ratios("radixserve HTTP / ZMQ", med["radixserve-http"], med["radixserve"])
     if "vllm" in med:
-        ours, peer = med["radixserve"], med["vllm"]
-        print(
-            f"- radixserve / vLLM: throughput {ours['tok/s'] / peer['tok/s']:.2f}x, "
-            f"TTFT p50 {ours['TTFT p50'] / peer['TTFT p50']:.2f}x, "
-            f"ITL p50 {ours['ITL p50'] / peer['ITL p50']:.2f}x"
-        )
+        _print_ratios("radixserve / vLLM", med["radixserve"], med["vllm"])
+
+
+def _print_ratios(label: str, a: dict[str, float], b: dict[str, float]) -> None:
+    print(
+        f"- {label}: throughput {a['tok/s'] / b['tok/s']:.3f}x, "
+        f"TTFT p50 {a['TTFT p50'] / b['TTFT p50']:.2f}x, ITL p50 {a['ITL p50'] / b['ITL p50']:.2f}x"
+    )
 
 
 def main() -> None:
