@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixserve.detokenizer.stop_matcher import StopMatcher
-from radixserve.protocol.internal import ReqStrOut, ReqTokenOut, StopReq
+from radixserve.protocol.internal import ReqStart, ReqStrOut, ReqTokenOut, StopReq
 from radixserve.protocol.wire import FinishReason
 
 # What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
@@ -30,28 +30,6 @@ class BatchDecoder(Protocol):
     ) -> list[str]: ...
 
 
-@dataclass(slots=True)
-class DecodeState:
-    """One unfinished request's output ids and where its emitted text ends.
-
-        ids:  [ emitted, no longer needed | emitted, context | not emitted yet ]
-                                          ^ prefix_offset   ^ read_offset
-
-    Both offsets sit on character boundaries: they only move when the text up to the end of the
-    ids decoded to whole characters.
-    """
-
-    ids: list[int] = field(default_factory=list)
-    prefix_offset: int = 0
-    read_offset: int = 0
-    held: str = ""  # decoded text not sent yet because it may begin a stop string
-    stop_matcher: StopMatcher | None = None  # for a request with stop strings
-
-    def windows(self, end: int) -> tuple[list[int], list[int]]:
-        """The emitted context alone, and the context followed by the new ids up to `end`."""
-        return self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset : end]
-
-
 @dataclass(slots=True, frozen=True)
 class Stopped:
     """A request whose stop string matched, until the scheduler's final output for it."""
@@ -60,8 +38,42 @@ class Stopped:
     completion_tokens: int  # what the client was sent: the tokens up to the match's step
 
 
+@dataclass(slots=True)
+class DecodeState:
+    """One live request, from its first output (which carries `start`) to its final one: its
+    output ids and where its emitted text ends.
+
+        ids:  [ emitted, no longer needed | emitted, context | not emitted yet ]
+                                          ^ prefix_offset   ^ read_offset
+
+    Both offsets sit on character boundaries: they only move when the text up to the end of the
+    ids decoded to whole characters.
+    """
+
+    start: ReqStart
+    stop_matcher: StopMatcher | None  # for a request with stop strings
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    held: str = ""  # decoded text not sent yet because it may begin a stop string
+    stopped: Stopped | None = None
+
+    @classmethod
+    def of(cls, start: ReqStart) -> DecodeState:
+        return cls(start, StopMatcher(start.stop) if start.stop else None)
+
+    def windows(self, end: int) -> tuple[list[int], list[int]]:
+        """The emitted context alone, and the context followed by the new ids up to `end`."""
+        return self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset : end]
+
+
 class IncrementalDetokenizer:
     """Turns each step's new token ids into new text, keeping per-request state until finish.
+
+    A request's state (`states`, its one owner here) begins with its first output, which carries
+    what stays the same for its whole life, and ends with its final output: the scheduler sends
+    exactly one of each for every request, whether it finishes, is aborted or stopped. An output
+    that breaks this is a bug between our own processes, and raises.
 
     It also matches stop strings: text that may begin one is held back, so a stop string split
     across steps is still found and never half sent. A match sends the text before it and asks
@@ -73,7 +85,6 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: BatchDecoder):
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
-        self.stopped: dict[str, Stopped] = {}
 
     def __len__(self) -> int:
         return len(self.states)
@@ -82,13 +93,15 @@ class IncrementalDetokenizer:
         """Text for each output (it may be empty while a character or a stop string is split),
         and the requests the scheduler must stop."""
         strs: list[ReqStrOut] = []
-        live = []
+        live, states = [], []
         for out in outs:
-            if out.rid not in self.stopped:
+            state = self._state(out)
+            if state.stopped is None:
+                state.ids.extend(out.new_token_ids)
                 live.append(out)
+                states.append(state)
             elif out.finished_reason is not None:  # what came between match and final is dropped
-                strs.append(self._final_after_stop(out))
-        states = [self._extend(out) for out in live]
+                strs.append(self._final_after_stop(out, state.start, state.stopped))
         new_texts = self._decode_new_texts(live, states)
         stops = []
         for out, state, text in zip(live, states, new_texts):
@@ -98,32 +111,39 @@ class IncrementalDetokenizer:
                 stops.append(stop)
         return strs, stops
 
-    def _final_after_stop(self, out: ReqTokenOut) -> ReqStrOut:
+    def _state(self, out: ReqTokenOut) -> DecodeState:
+        """The request's state: made from its first output, ended with its final one."""
+        state = self.states.get(out.rid)
+        if out.start is not None:
+            if state is not None:
+                raise ValueError(f"request {out.rid} started twice")
+            state = self.states[out.rid] = DecodeState.of(out.start)
+        elif state is None:
+            raise ValueError(f"output for request {out.rid}, which has not started or has ended")
+        if out.finished_reason is not None:
+            del self.states[out.rid]
+        return state
+
+    def _final_after_stop(self, out: ReqTokenOut, start: ReqStart, stopped: Stopped) -> ReqStrOut:
         """The scheduler's final for a request whose stop string matched: it ends the request as
         the stop string did, with no more text or tokens."""
-        stopped = self.stopped.pop(out.rid)
         return ReqStrOut(
             rid=out.rid,
             text="",
             new_token_ids=[],
             finished_reason=FinishReason("stop", stopped.matched),
-            prompt_tokens=out.prompt_tokens,
+            prompt_tokens=start.prompt_tokens,
             completion_tokens=stopped.completion_tokens,
-            cached_tokens=out.cached_tokens,
+            cached_tokens=start.cached_tokens,
             output_token_logprobs=None if out.output_token_logprobs is None else [],
             output_top_logprobs=None if out.output_top_logprobs is None else [],
         )
 
-    def _extend(self, out: ReqTokenOut) -> DecodeState:
-        state = self.states.setdefault(out.rid, DecodeState())
-        state.ids.extend(out.new_token_ids)
-        return state
-
     def _decode_new_texts(self, outs: list[ReqTokenOut], states: list[DecodeState]) -> list[str]:
         texts = [""] * len(outs)
         # batch_decode takes one skip_special_tokens for the whole call; batches rarely mix them.
-        for skip in {out.skip_special_tokens for out in outs}:
-            rows = [i for i, out in enumerate(outs) if out.skip_special_tokens == skip]
+        for skip in {state.start.skip_special_tokens for state in states}:
+            rows = [i for i, state in enumerate(states) if state.start.skip_special_tokens == skip]
             windows = [states[i].windows(_text_end(outs[i], states[i])) for i in rows]
             prefixes = self._batch_decode([prefix for prefix, _ in windows], skip)
             fulls = self._batch_decode([full for _, full in windows], skip)
@@ -151,31 +171,26 @@ class IncrementalDetokenizer:
         # else: nothing follows, so whatever is left goes out, even half a character
         text, state.held = state.held + new_text, ""
         stop_req = None
-        if out.stop:
-            if state.stop_matcher is None:
-                state.stop_matcher = StopMatcher(out.stop)
-            if state.stop_matcher.feed(new_text):
-                cut, matched = _find_stop(text, out.stop)
-                text = text[:cut]
-                if reason is None:
-                    self.stopped[out.rid] = Stopped(matched, out.completion_tokens)
-                    stop_req = StopReq(out.rid, matched)
-                else:
-                    reason = FinishReason("stop", matched)
-                del self.states[out.rid]
-            elif reason is None:
-                keep = state.stop_matcher.pending
-                text, state.held = text[: len(text) - keep], text[len(text) - keep :]
-        if reason is not None and out.rid in self.states:
-            del self.states[out.rid]
+        matcher = state.stop_matcher
+        if matcher is not None and matcher.feed(new_text):
+            cut, matched = _find_stop(text, state.start.stop)
+            text = text[:cut]
+            if reason is None:
+                state.stopped = Stopped(matched, out.completion_tokens)
+                stop_req = StopReq(out.rid, matched)
+            else:
+                reason = FinishReason("stop", matched)
+        elif matcher is not None and reason is None:
+            keep = matcher.pending
+            text, state.held = text[: len(text) - keep], text[len(text) - keep :]
         str_out = ReqStrOut(
             rid=out.rid,
             text=text,
             new_token_ids=out.new_token_ids,
             finished_reason=reason,
-            prompt_tokens=out.prompt_tokens,
+            prompt_tokens=state.start.prompt_tokens,
             completion_tokens=out.completion_tokens,
-            cached_tokens=out.cached_tokens,
+            cached_tokens=state.start.cached_tokens,
             output_token_logprobs=out.output_token_logprobs,
             output_top_logprobs=out.output_top_logprobs,
         )

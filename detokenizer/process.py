@@ -38,7 +38,7 @@ def run_detokenizer_process(
     while True:
         heartbeat.beat()
         # The process sleeps while nothing is generated, waking only to beat.
-        if not recv_sock.poll(HEARTBEAT_INTERVAL_S * 1000):
+        if not recv_sock.poll(int(HEARTBEAT_INTERVAL_S * 1000)):
             continue
         batch: BatchTokenOut = codec.decode(recv_sock.recv())
         strs, stops = detokenizer.step(batch.outs)

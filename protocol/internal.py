@@ -73,17 +73,24 @@ Logprob = tuple[float, int]
 # ---- scheduler -> detokenizer ------------------------------------------------------------------
 
 
+class ReqStart(msgspec.Struct, array_like=True):
+    """What stays the same for a request's whole life, sent once: with its first output. The
+    detokenizer keeps it from then until the request's final output."""
+
+    prompt_tokens: int
+    cached_tokens: int  # from its first admission (only a final output can come before it)
+    skip_special_tokens: bool
+    stop: list[str]  # stop strings, which the detokenizer matches
+
+
 class ReqTokenOut(msgspec.Struct, array_like=True):
-    """The tokens one request produced since its previous output, and its counters."""
+    """The tokens one request produced since its previous output, and what changed with them."""
 
     rid: str
     new_token_ids: list[int]
     finished_reason: FinishReason | None
-    prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
-    skip_special_tokens: bool
-    stop: list[str]  # stop strings, which the detokenizer matches
+    start: ReqStart | None = None  # on the request's first output only
     output_token_logprobs: list[Logprob] | None = None  # for new_token_ids, when asked for
     output_top_logprobs: list[list[Logprob]] | None = None
 

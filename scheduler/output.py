@@ -1,33 +1,40 @@
-"""Output framing: what a step hands the detokenizer for each request (ReqTokenOut), and the
-logprobs each real output token keeps."""
+"""Output framing: what a step hands the detokenizer for each request (ReqTokenOut; ReqStart once,
+with its first), and the logprobs each real output token keeps."""
 
 from __future__ import annotations
 
 from radixserve.model_worker.batch import SampleOutput
-from radixserve.protocol.internal import ReqTokenOut
+from radixserve.protocol.internal import ReqStart, ReqTokenOut
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 
 def next_output(req: Req) -> ReqTokenOut:
-    """Req's outputs since its previous one, with its counters and what the detokenizer needs;
-    they count as sent from now on (`num_sent_tokens`, which only this writes)."""
+    """Req's outputs since its previous one, with its counters; its first output also carries
+    what stays the same for its whole life (ReqStart). They count as sent from now on
+    (`num_sent_tokens`, which only this writes)."""
     sent = req.num_sent_tokens
     outputs = req.output_ids
     req.num_sent_tokens = len(outputs)
-    params = req.sampling_params
+    # Every output but a request's final one carries a new token, and a retracted request keeps
+    # its outputs: so nothing was sent for it before exactly when `sent` is 0.
+    start = _start(req) if sent == 0 else None
     # Positional arguments: this runs for every streaming request on every step.
     return ReqTokenOut(
         req.rid,
         outputs[sent:],
         req.finished_reason,
-        len(req.origin_input_ids),
         len(outputs),
-        req.cached_tokens,
-        params.skip_special_tokens,
-        params.stop,
+        start,
         req.output_token_logprobs[sent:] if req.return_logprob else None,
         req.output_top_logprobs[sent:] if req.top_logprobs_num else None,
+    )
+
+
+def _start(req: Req) -> ReqStart:
+    params = req.sampling_params
+    return ReqStart(
+        len(req.origin_input_ids), req.cached_tokens, params.skip_special_tokens, params.stop
     )
 
 

@@ -25,6 +25,7 @@ from radixserve.protocol.internal import (
     BatchStrOut,
     BatchTokenOut,
     ProcessReady,
+    ReqStart,
     ReqStrOut,
     ReqTokenOut,
     StopReq,
@@ -59,16 +60,16 @@ def token_out(
     finished: FinishReason | None = None,
     skip_special_tokens: bool = True,
     stop: tuple[str, ...] = (),
+    first: bool = True,
 ) -> ReqTokenOut:
+    """An output of request `rid`; its first carries what the request keeps (ReqStart)."""
+    start = ReqStart(3, 0, skip_special_tokens, list(stop)) if first else None
     return ReqTokenOut(
         rid=rid,
         new_token_ids=ids,
         finished_reason=finished,
-        prompt_tokens=3,
         completion_tokens=len(ids),
-        cached_tokens=0,
-        skip_special_tokens=skip_special_tokens,
-        stop=list(stop),
+        start=start,
     )
 
 
@@ -92,7 +93,7 @@ def stream(
     texts = []
     for i, piece in enumerate(pieces):
         finished = finish if i == len(pieces) - 1 else None
-        (out,), _ = detok.step([token_out(rid, piece, finished, **kw)])
+        (out,), _ = detok.step([token_out(rid, piece, finished, first=i == 0, **kw)])
         assert out.rid == rid and out.new_token_ids == piece
         texts.append(out.text)
     return texts
@@ -180,7 +181,8 @@ def test_interleaved_requests_in_one_batch(tokenizer):
         for rid in list(sent):
             end = min(len(ids[rid]), sent[rid] + rng.randint(1, 3))
             finished = LENGTH if end == len(ids[rid]) else None
-            batch.append(token_out(rid, ids[rid][sent[rid] : end], finished))
+            piece = ids[rid][sent[rid] : end]
+            batch.append(token_out(rid, piece, finished, first=sent[rid] == 0))
             sent[rid] = end
             if finished:
                 del sent[rid]
@@ -210,6 +212,23 @@ def test_counters_and_reason_pass_through(tokenizer):
     assert len(detok) == 0
 
 
+def test_a_request_is_kept_from_its_first_output_to_its_final(tokenizer):
+    """What the first output brings (counters, stop strings) serves every later output, and
+    goes with the final; an output outside that span is a bug between our processes: it raises."""
+    detok = IncrementalDetokenizer(tokenizer)
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    detok.step([token_out("r", ids[:1], stop=(" three",))])
+    assert len(detok) == 1
+    with pytest.raises(ValueError, match="started twice"):
+        detok.step([token_out("r", ids[1:2])])
+    (final,), stops = detok.step([token_out("r", ids[1:], LENGTH, first=False)])
+    assert final.finished_reason == FinishReason("stop", " three") and final.text == " two"
+    assert (final.prompt_tokens, final.cached_tokens) == (3, 0) and not stops
+    assert len(detok) == 0
+    with pytest.raises(ValueError, match="has not started or has ended"):
+        detok.step([token_out("r", [], LENGTH, first=False)])
+
+
 def test_stop_string_is_trimmed_and_the_scheduler_ends_the_request(tokenizer):
     ids = tokenizer.encode("Answer: 42.\n\nNext line", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
@@ -220,9 +239,9 @@ def test_stop_string_is_trimmed_and_the_scheduler_ends_the_request(tokenizer):
     assert whole.finished_reason is None
     assert stops == [StopReq("r", "\n\n")]
     # Its final ends it as the stop string did, whatever ended it at the scheduler.
-    (final,), stops = detok.step([token_out("r", [5, 6], LENGTH, stop=("\n\n",))])
+    (final,), stops = detok.step([token_out("r", [5, 6], LENGTH, first=False)])
     assert final == ReqStrOut("r", "", [], FinishReason("stop", "\n\n"), 3, len(ids), 0)
-    assert not stops and len(detok) == 0 and not detok.stopped
+    assert not stops and len(detok) == 0
 
 
 @pytest.mark.parametrize("stop_str", ["\n\n", "42.\n", "Next", ": 4"])
@@ -231,8 +250,8 @@ def test_stop_string_split_across_streamed_chunks(tokenizer, stop_str):
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
     sent, stops = [], []
-    for i in ids:  # one token a step: every stop string here spans several steps
-        (out,), stops = detok.step([token_out("s", [i], stop=(stop_str, "never"))])
+    for k, i in enumerate(ids):  # one token a step: every stop string here spans several steps
+        (out,), stops = detok.step([token_out("s", [i], stop=(stop_str, "never"), first=k == 0)])
         assert out.finished_reason is None
         sent.append(out.text)
         if stops:
@@ -240,11 +259,11 @@ def test_stop_string_split_across_streamed_chunks(tokenizer, stop_str):
     assert "".join(sent) == text[: text.index(stop_str)]  # nothing of the stop string leaked
     assert stops == [StopReq("s", stop_str)]
     # What the scheduler still sends for it before its final is dropped.
-    late, _ = detok.step([token_out("s", [ids[-1]])])
+    late, _ = detok.step([token_out("s", [ids[-1]], first=False)])
     assert late == []
-    (final,), _ = detok.step([token_out("s", [], FinishReason("stop", stop_str))])
+    (final,), _ = detok.step([token_out("s", [], FinishReason("stop", stop_str), first=False)])
     assert final.finished_reason == FinishReason("stop", stop_str) and final.text == ""
-    assert len(detok) == 0 and not detok.stopped
+    assert len(detok) == 0
 
 
 def test_stop_string_in_the_final_output_ends_it_at_once(tokenizer):
@@ -259,8 +278,9 @@ def test_stop_string_in_the_final_output_ends_it_at_once(tokenizer):
 def test_held_back_text_goes_out_when_no_stop_follows(tokenizer):
     ids = tokenizer.encode("a b c d", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)
-    pieces = [detok.step([token_out("r", [i], stop=("c d e",))])[0][0].text for i in ids]
-    (last,), stops = detok.step([token_out("r", [], LENGTH, stop=("c d e",))])
+    outs = [token_out("r", [i], stop=("c d e",), first=k == 0) for k, i in enumerate(ids)]
+    pieces = [detok.step([out])[0][0].text for out in outs]
+    (last,), stops = detok.step([token_out("r", [], LENGTH, first=False)])
     assert "".join(pieces) + last.text == "a b c d" and not stops
 
 
@@ -296,7 +316,8 @@ def test_detokenizer_process_over_ipc(model_dir, tokenizer):
         ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
         first = [token_out("a", ids[:2]), token_out("b", ids, LENGTH)]
         push.send(codec.encode(BatchTokenOut(outs=first)))
-        push.send(codec.encode(BatchTokenOut(outs=[token_out("a", ids[2:], LENGTH)])))
+        second = [token_out("a", ids[2:], LENGTH, first=False)]
+        push.send(codec.encode(BatchTokenOut(outs=second)))
         replies = []
         for _ in range(2):
             assert results.poll(10_000), "no BatchStrOut from the detokenizer"

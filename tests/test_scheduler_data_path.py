@@ -75,7 +75,7 @@ def test_a_retracted_request_counts_its_cached_prompt_tokens_once() -> None:
         s.add_request(gen(rid, p, 60))
     outs = run_to_completion(s)
     assert s.stats.num_retractions > 0
-    cached = {rid: o[-1].cached_tokens for rid, o in outs.items()}
+    cached = {rid: o[0].start.cached_tokens for rid, o in outs.items()}
     assert max(cached.values()) == len(system)
     assert s.stats.cached_tokens == sum(cached.values())
     assert s.server_info().cache_hit_rate <= len(system) / (len(system) + 40)

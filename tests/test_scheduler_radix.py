@@ -32,7 +32,7 @@ def test_a_shared_prefix_is_computed_once(page_size):
     outs |= run_to_completion(s)
     assert tokens_of(outs["a"]) == reference_tokens(a, 8)
     assert tokens_of(outs["b"]) == reference_tokens(b, 8)
-    cached = outs["b"][-1].cached_tokens
+    cached = outs["b"][0].start.cached_tokens
     assert cached == 200 // page_size * page_size
     assert computed_tokens(s) == (len(a) + 7) + (len(b) - cached + 7)
 
@@ -67,7 +67,7 @@ def test_eviction_under_pressure_keeps_outputs_and_invariants():
     for rid, p in prompts.items():
         assert tokens_of(outs[rid]) == reference_tokens(p, 20), rid
     assert s.kv.num_evicted_tokens > 0
-    assert sum(outs[rid][-1].cached_tokens for rid in prompts) > 0
+    assert sum(outs[rid][0].start.cached_tokens for rid in prompts) > 0
 
 
 def test_a_retracted_request_keeps_its_prefix_for_the_recompute():
