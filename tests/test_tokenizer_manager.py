@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from tm_harness import Harness, generate, receive, send, tokenizer_manager
 
-from radixserve.protocol.internal import AbortReq, TokenizedGenerateReq
+from radixserve.protocol.internal import AbortReq, HealthOut, HealthReq, TokenizedGenerateReq
 from radixserve.protocol.wire import FinishReason
 
 STOP = FinishReason("stop", "S")
@@ -88,23 +88,38 @@ def test_a_client_that_went_away_has_its_requests_aborted(tiny_served_model):
     asyncio.run(scenario())
 
 
-def test_a_long_prompt_in_the_tokenizer_stalls_no_stream(tiny_served_model):
-    """While a long prompt is tokenized (seconds), a running stream's replies keep going out."""
+def test_a_long_prompt_in_the_tokenizer_stalls_nobody(tiny_served_model):
+    """While a 400,000-token prompt is tokenized (seconds), a running stream's replies keep going
+    out, and requests that came after it from other clients (a small generate, a health check)
+    are answered first. Its own client's abort, sent right after it, still finds it."""
 
     async def scenario() -> None:
         # A context this long lets a 2M-character prompt reach the tokenizer.
         async with tokenizer_manager(tiny_served_model, context_length=1_000_000) as h:
-            streaming, other = h.client(), h.client()
+            streaming, long, small, probe = h.client(), h.client(), h.client(), h.client()
             await send(streaming, **generate("streams"))
             started = await h.to_scheduler()
-            await send(other, type="generate", rid="long", text="word " * 400_000)
-            await asyncio.sleep(0.3)  # the long prompt is in the tokenizer now
+            await send(long, type="generate", rid="long", text="word " * 400_000)
+            while not any("long" in rids for rids in h.manager.inflight.by_peer.values()):
+                await asyncio.sleep(0.01)  # it is in the tokenizer now
+            await send(long, type="abort", rid="long")
+            await send(small, **generate("small", stream=False))
+            await send(probe, type="health")
+            arrived = {type(m): m for m in [await h.to_scheduler() for _ in range(2)]}
+            assert arrived.keys() == {TokenizedGenerateReq, HealthReq}, arrived
+            await h.output(arrived[TokenizedGenerateReq].rid, [7], LENGTH)
+            assert (await receive(small))["output_ids"] == [7]
+            await h.backend.send(msgspec.msgpack.encode(HealthOut(arrived[HealthReq].query_id)))
+            assert (await receive(probe))["type"] == "health"
             for i in range(5):
                 await h.output(started.rid, [i])
                 assert (await receive(streaming))["output_ids"] == [i]
-            # Those replies went out before the long prompt's tokens reached the scheduler.
+            # All of that went out before the long prompt's tokens reached the scheduler.
             assert not await h.scheduler.poll(0)
-            assert isinstance(await h.to_scheduler(timeout=120), TokenizedGenerateReq)
+            long_req = await h.to_scheduler(timeout=120)
+            assert isinstance(long_req, TokenizedGenerateReq) and len(long_req.input_ids) > 10**5
+            assert await h.to_scheduler() == AbortReq(long_req.rid)
+            assert not await long.poll(100)  # no `not_found`: the abort found its request
 
     asyncio.run(scenario())
 

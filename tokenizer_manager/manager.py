@@ -1,7 +1,8 @@
 """The client endpoint: a ZMQ ROUTER speaking the wire format (docs/WIRE.md), on asyncio.
 
-Two loops: `client_loop` decodes requests (request_decoder.py), tokenizes them and forwards them
-to the scheduler; `output_loop` turns what the detokenizer and scheduler send back into replies.
+Two loops: `client_loop` decodes requests (request_decoder.py) and forwards them to the
+scheduler, each generate tokenized in a task of its own so that a long prompt holds up no one;
+`output_loop` turns what the detokenizer and scheduler send back into replies.
 Each reply goes to the client that asked, and only to it; a client that is gone or reads too
 slowly has its requests aborted, so their KV is freed at once.
 """
@@ -13,6 +14,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -101,6 +103,7 @@ class TokenizerManager:
         self.local_ids = itertools.count()
         self.metrics = Metrics()
         self.accepting = True
+        self.admissions: set[asyncio.Task[None]] = set()  # generates on their way in
 
     # ---- client -> server ----------------------------------------------------------------------
 
@@ -124,9 +127,13 @@ class TokenizerManager:
 
     async def submit(self, envelope: Envelope, req: Any) -> None:
         """A decoded, authorized request, from either front door: its answers, or one error,
-        go to `envelope`."""
+        go to `envelope`. A generate is only registered here; its admission goes on in a task
+        of its own (`admit`)."""
+        await self.answer_errors(envelope, self.handle_request(envelope, req))
+
+    async def answer_errors(self, envelope: Envelope, work: Awaitable[None]) -> None:
         try:
-            await self.handle_request(envelope, req)
+            await work
         except ClientError as e:
             await self.reply_error(envelope, e)
         except Exception as e:  # a bug must cost this client its request, not the server
@@ -137,11 +144,12 @@ class TokenizerManager:
     async def handle_request(self, envelope: Envelope, req: Any) -> None:
         match req:
             case GenerateRequest():
-                await self.handle_generate(envelope, req)
+                self.admit(envelope, req)
             case AbortRequest(rid=rid):
                 request = self.inflight.find(envelope[0], rid)
                 if request is None:
                     raise ClientError("not_found", f"no request {rid!r} is in flight", rid)
+                request.aborted = True  # in the tokenizer still: aborted as it is sent
                 await self.abort(self.inflight.live_ids(request))
             case ModelInfoRequest():
                 await self.forward_query(envelope, ModelInfoReq)
@@ -152,14 +160,21 @@ class TokenizerManager:
             case FlushCacheRequest():
                 await self.forward_query(envelope, FlushCacheReq)
 
-    async def handle_generate(self, envelope: Envelope, req: GenerateRequest) -> None:
+    def admit(self, envelope: Envelope, req: GenerateRequest) -> None:
+        """Register the request at once, so that its client's next messages (an abort) find
+        it, then tokenize it and send it to the scheduler in a task: while a long prompt is in
+        the tokenizer, the manager goes on taking everyone's requests."""
         rid = req.rid or uuid.uuid4().hex
         if not self.accepting:
             raise ClientError("overloaded", "the server is shutting down", rid)
-        n = req.sampling_params.n
-        request = self.inflight.open(envelope, rid, req.stream, n)
+        request = self.inflight.open(envelope, rid, req.stream, req.sampling_params.n)
         if request is None:
             raise ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
+        task = asyncio.create_task(self.answer_errors(envelope, self._admit(request, req)))
+        self.admissions.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self.admissions.discard)
+
+    async def _admit(self, request: InFlightRequest, req: GenerateRequest) -> None:
         try:
             input_ids = await self.tokenization.input_ids_async(req)
         except Exception as e:
@@ -167,29 +182,40 @@ class TokenizerManager:
             if not isinstance(e, ValueError):
                 raise
             code = "too_long" if isinstance(e, PromptTooLong) else "invalid_request"
-            raise ClientError(code, str(e), rid) from None
+            raise ClientError(code, str(e), request.rid) from None
+        # Nothing awaits from here to the last send: an abort of this request comes before all
+        # of it (request.aborted) or after all of it (its completions are live by then).
+        sends = []
+        base = req.sampling_params
         for cid, index in self.inflight.start(request):
             if request.answered:  # its client went away meanwhile: never started
                 self.inflight.end(cid)
                 continue
-            params = req.sampling_params
-            if n > 1:
+            params = base
+            if index is not None:
                 # Each completion samples on its own; seeded ones stay reproducible (seed + i).
-                seed = None if params.seed is None else _wrap_int64(params.seed + (index or 0))
-                params = msgspec.structs.replace(params, n=1, seed=seed)
+                seed = None if base.seed is None else _wrap_int64(base.seed + index)
+                params = msgspec.structs.replace(base, n=1, seed=seed)
             msg = TokenizedGenerateReq(
                 cid, input_ids, params, req.stream, req.return_logprob, req.top_logprobs_num
             )
-            await self.send_to_scheduler.send(self.codec.encode(msg))
+            sends.append(self.to_scheduler(msg))
+        if request.aborted and not request.answered:
+            sends += [self.to_scheduler(AbortReq(cid)) for cid in self.inflight.live_ids(request)]
+        await asyncio.gather(*sends)
+
+    def to_scheduler(self, msg: msgspec.Struct) -> Awaitable[Any]:
+        """Send `msg` to the scheduler. pyzmq queues a send when it is called, so the order of
+        the calls is the order the scheduler sees, whenever their results are awaited."""
+        return self.send_to_scheduler.send(self.codec.encode(msg))
 
     async def forward_query(self, envelope: Envelope, query_type: type) -> None:
         qid = next(self.query_ids)
         self.pending_queries[qid] = envelope
-        await self.send_to_scheduler.send(self.codec.encode(query_type(qid)))
+        await self.to_scheduler(query_type(qid))
 
     async def abort(self, ids: list[str]) -> None:
-        for cid in ids:
-            await self.send_to_scheduler.send(self.codec.encode(AbortReq(cid)))
+        await asyncio.gather(*[self.to_scheduler(AbortReq(cid)) for cid in ids])
 
     # ---- server -> client ----------------------------------------------------------------------
 
