@@ -232,3 +232,44 @@ def test_multipart_requests_are_refused_without_echoing_them(tiny_served_model, 
             assert error["type"] == "error" and "one frame" in error["message"]
 
     asyncio.run(scenario())
+
+
+def test_past_the_total_backlog_bound_the_largest_backlog_is_dropped(tiny_served_model):
+    """Two slow readers, each far under its own bound (64 MiB) but together over the total one:
+    the one with the most replies waiting has its request aborted (`overloaded`), though the
+    other's reply is the one that passes the bound; the other still gets every reply."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, max_total_reply_backlog_bytes=400_000) as h:
+            meter, backlog_bytes = h.manager.backlog_meter, h.manager.backlog_bytes
+            big = h.client(ROUTING_ID=b"big", **SMALL_BUFFERS)
+            small = h.client(ROUTING_ID=b"small", **SMALL_BUFFERS)
+            await send(big, **generate("big", max_new_tokens=10**5))
+            big_cid = (await h.to_scheduler()).rid
+            await send(small, **generate("small", max_new_tokens=10**5))
+            small_cid = (await h.to_scheduler()).rid
+            while meter.nbytes < 250_000:  # once the sockets' buffers are full, a backlog forms
+                for _ in range(10 if meter.nbytes else 100):
+                    await h.output(big_cid, [0], None, LONG_TEXT)
+                await asyncio.sleep(0.02)
+            assert not await h.scheduler.poll(0)  # under the total bound still
+            sent = 0
+            while not await h.scheduler.poll(20):  # until small's replies pass the total
+                for _ in range(10 if backlog_bytes(b"small") else 100):
+                    await h.output(small_cid, [sent % 100], None, LONG_TEXT)
+                    sent += 1
+                assert sent < 20_000, "the test did not get past the queue"
+            assert await h.to_scheduler() == AbortReq(big_cid)
+            await h.output(small_cid, [1], LENGTH)
+            replies = [await receive(small) for _ in range(sent + 1)]
+            assert [r["output_ids"] for r in replies[:-1]] == [[i % 100] for i in range(sent)]
+            assert replies[-1]["finished"] and not await small.poll(100)
+            reply = await receive(big)
+            while reply["type"] == "output":
+                assert not reply["finished"]
+                reply = await receive(big)
+            assert (reply["code"], reply["rid"]) == ("overloaded", "big")
+            assert "--max-total-reply-backlog-bytes" in reply["message"]
+            assert meter.nbytes == 0 and not h.manager.inflight.by_peer
+
+    asyncio.run(scenario())

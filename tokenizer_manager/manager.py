@@ -53,6 +53,7 @@ from radixserve.protocol.wire import (
 )
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager import request_log
+from radixserve.tokenizer_manager.backlog_meter import BacklogMeter
 from radixserve.tokenizer_manager.inflight import Envelope, InFlight, InFlightRequest
 from radixserve.tokenizer_manager.local_client import LocalClient
 from radixserve.tokenizer_manager.metrics import Metrics
@@ -86,7 +87,8 @@ class TokenizerManager:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client fails
         self.router.setsockopt(zmq.MAXMSGSIZE, args.max_request_bytes)  # per frame (WIRE.md)
         self.router.bind(f"tcp://{args.host}:{args.port}")
-        self.outbox = Outbox(self.router, args.max_reply_backlog_bytes)
+        self.backlog_meter = BacklogMeter(args.max_total_reply_backlog_bytes)
+        self.outbox = Outbox(self.router, args.max_reply_backlog_bytes, self.backlog_meter)
         self.send_to_scheduler = transport.connect_push(
             self.ctx, ipc_dir, transport.SCHEDULER_INPUT
         )
@@ -273,31 +275,52 @@ class TokenizerManager:
         await self.abort(self.inflight.live_ids(request))
         await self.reply_error(request.envelope, ClientError(code, message, request.rid))
 
-    async def drop_client(self, peer: bytes, too_slow: bool = False) -> None:
-        """Abort every request of a client that is gone, or that reads too slowly: then each of
-        them gets one `overloaded` error in place of the replies it did not read."""
+    async def drop_client(self, peer: bytes, too_slow_for: str | None = None) -> None:
+        """Abort every request of a client that is gone, or that reads too slowly (past the
+        bound named by `too_slow_for`): then each of them gets one `overloaded` error in place
+        of the replies it did not read."""
+        if too_slow_for is not None:
+            logger.warning(
+                "A client reads too slowly: %d bytes of replies wait for it, past %s. "
+                "Aborting its %d requests.",
+                self.backlog_bytes(peer),
+                too_slow_for,
+                len(self.inflight.of_peer(peer)),
+            )
         lost = self.outbox.drop(peer)
         requests = self.inflight.of_peer(peer)
         # A request already answered whose last replies were among those thrown away is owed an
         # error too: every request ends with exactly one final reply.
         owed = requests + [r for r in lost if isinstance(r, InFlightRequest) and r.answered]
-        if too_slow:
-            logger.warning(
-                "A client reads too slowly: over %d bytes of replies wait (--max-reply-backlog-"
-                "bytes). Aborting its %d requests.",
-                self.args.max_reply_backlog_bytes,
-                len(requests),
-            )
-        elif requests:
+        if too_slow_for is None and requests:
             logger.info("A client went away. Aborting its %d requests.", len(requests))
         for request in requests:  # all answered first: a concurrent drop finds none of them
             self.inflight.answer(request)
         for request in requests:
             await self.abort(self.inflight.live_ids(request))
-        if too_slow:
-            for request in owed:
-                error = ErrorReply("overloaded", _TOO_SLOW, rid=request.rid)
-                self._deliver(request.envelope, error)
+        if too_slow_for is None:
+            return
+        message = f"replies to this client went unread past {too_slow_for}: request aborted"
+        local = self.local_clients.get(peer)
+        if local is not None:  # an HTTP request, which one error ends
+            local.fail(ErrorReply("overloaded", message))
+            return
+        for request in owed:
+            self._deliver(request.envelope, ErrorReply("overloaded", message, rid=request.rid))
+
+    async def drop_largest_backlog(self) -> None:
+        """Replies held for all clients together passed --max-total-reply-backlog-bytes: the
+        client that has the most of them waiting is dropped."""
+        peers = [*self.outbox.backlogs, *self.local_clients]
+        largest = max(peers, key=self.backlog_bytes)
+        await self.drop_client(largest, too_slow_for=_TOTAL_BOUND)
+
+    def backlog_bytes(self, peer: bytes) -> int:
+        local = self.local_clients.get(peer)
+        if local is not None:
+            return local.backlog_bytes
+        backlog = self.outbox.backlogs.get(peer)
+        return 0 if backlog is None else backlog.nbytes
 
     async def flush_loop(self) -> None:
         """Retry the replies that wait for room in a slow client's queue."""
@@ -324,7 +347,9 @@ class TokenizerManager:
             case Delivery.GONE:
                 await self.drop_client(envelope[0])
             case Delivery.OVERFLOW:
-                await self.drop_client(envelope[0], too_slow=True)
+                await self.drop_client(envelope[0], too_slow_for=_CLIENT_BOUND)
+        if self.backlog_meter.over:
+            await self.drop_largest_backlog()
 
     def _deliver(
         self, envelope: Envelope, reply: msgspec.Struct, request: InFlightRequest | None = None
@@ -337,7 +362,9 @@ class TokenizerManager:
     # ---- in-process clients (the HTTP front) ---------------------------------------------------
 
     def open_local_client(self) -> LocalClient:
-        client = LocalClient(next(self.local_ids), self.args.max_reply_backlog_bytes)
+        client = LocalClient(
+            next(self.local_ids), self.args.max_reply_backlog_bytes, self.backlog_meter
+        )
         self.local_clients[client.peer] = client
         return client
 
@@ -379,7 +406,8 @@ class TokenizerManager:
 
 
 _ONE_FRAME = "a request is one frame (after a REQ socket's empty delimiter)"
-_TOO_SLOW = "replies to this client went unread past --max-reply-backlog-bytes: request aborted"
+_CLIENT_BOUND = "--max-reply-backlog-bytes"
+_TOTAL_BOUND = "--max-total-reply-backlog-bytes (all clients together; this one had the most)"
 
 
 def _wrap_int64(value: int) -> int:
