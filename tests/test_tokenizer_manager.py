@@ -145,7 +145,7 @@ def test_a_slow_reader_gets_every_reply_in_the_end(tiny_served_model):
             started = await h.to_scheduler()
             await flood(h, started.rid, steps)
             await asyncio.sleep(0.5)  # all of it reached the manager: most of it must wait
-            assert h.manager.outbox.backlogs, "the test did not get past the queue"
+            assert h.manager.replies.outbox.backlogs, "the test did not get past the queue"
             replies = [await receive(client) for _ in range(steps)]
             assert [r["output_ids"] for r in replies] == [[i % 100] for i in range(steps)]
             assert replies[-1]["finished"]
@@ -169,7 +169,7 @@ def test_a_reader_too_slow_for_the_backlog_bound_is_aborted(tiny_served_model):
             assert replies[-1]["code"] == "overloaded" and replies[-1]["rid"] == "slow"
             assert all(r["type"] == "output" and not r["finished"] for r in replies[:-1])
             assert len(replies) < steps
-            assert not h.manager.outbox.backlogs and not h.manager.inflight.by_peer
+            assert not h.manager.replies.outbox.backlogs and not h.manager.inflight.by_peer
 
     asyncio.run(scenario())
 
@@ -190,9 +190,9 @@ def test_a_final_reply_waiting_for_a_slow_reader_is_never_lost(tiny_served_model
                 await h.output(flooding.rid, [i % 100], None, LONG_TEXT)
                 if i % 10 == 9:  # so the backlog holds well under the bound then
                     await asyncio.sleep(0.02)
-                    if h.manager.outbox.backlogs:
+                    if h.manager.replies.outbox.backlogs:
                         break
-            assert h.manager.outbox.backlogs, "the test did not get past the queue"
+            assert h.manager.replies.outbox.backlogs, "the test did not get past the queue"
             await h.output(owed.rid, [1], LENGTH)
             await asyncio.sleep(0.05)
             # Answered, its final queued behind the backlog.
@@ -241,7 +241,7 @@ def test_past_the_total_backlog_bound_the_largest_backlog_is_dropped(tiny_served
 
     async def scenario() -> None:
         async with tokenizer_manager(tiny_served_model, max_total_reply_backlog_bytes=400_000) as h:
-            meter, backlog_bytes = h.manager.backlog_meter, h.manager.backlog_bytes
+            meter, backlog_bytes = h.manager.replies.backlog_meter, h.manager.replies.backlog_bytes
             big = h.client(ROUTING_ID=b"big", **SMALL_BUFFERS)
             small = h.client(ROUTING_ID=b"small", **SMALL_BUFFERS)
             await send(big, **generate("big", max_new_tokens=10**5))
