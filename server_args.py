@@ -46,6 +46,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_request_bytes: int = 64 * 1024 * 1024
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
     max_reply_backlog_bytes: int = 64 * 1024 * 1024  # unread replies held for one slow client
+    max_total_reply_backlog_bytes: int = 256 * 1024 * 1024  # the same, all clients together
     api_key: str | None = None
     watchdog_timeout: float = 300.0  # seconds a server process may go without a heartbeat
     shutdown_timeout: float = 0.0  # on SIGTERM, seconds in-flight requests may take to finish
@@ -134,6 +135,8 @@ _HELP = {
     "`overloaded` error",
     "max_reply_backlog_bytes": "replies held for a client that reads slower than it asks; past "
     "it, that client's requests are aborted with an `overloaded` error",
+    "max_total_reply_backlog_bytes": "replies held for all slow clients together; past it, the "
+    "requests of the client with the most unread are aborted with an `overloaded` error",
     "api_key": "require this key of every request but a health check: in the `api_key` field "
     "over ZMQ, as `Authorization: Bearer KEY` over HTTP (default: none)",
     "watchdog_timeout": "seconds a server process may go without a heartbeat before the server "

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from tm_harness import Harness, generate, receive, send, tokenizer_manager
 
-from radixserve.protocol.internal import AbortReq, TokenizedGenerateReq
+from radixserve.protocol.internal import AbortReq, HealthOut, HealthReq, TokenizedGenerateReq
 from radixserve.protocol.wire import FinishReason
 
 STOP = FinishReason("stop", "S")
@@ -88,23 +88,38 @@ def test_a_client_that_went_away_has_its_requests_aborted(tiny_served_model):
     asyncio.run(scenario())
 
 
-def test_a_long_prompt_in_the_tokenizer_stalls_no_stream(tiny_served_model):
-    """While a long prompt is tokenized (seconds), a running stream's replies keep going out."""
+def test_a_long_prompt_in_the_tokenizer_stalls_nobody(tiny_served_model):
+    """While a 400,000-token prompt is tokenized (seconds), a running stream's replies keep going
+    out, and requests that came after it from other clients (a small generate, a health check)
+    are answered first. Its own client's abort, sent right after it, still finds it."""
 
     async def scenario() -> None:
         # A context this long lets a 2M-character prompt reach the tokenizer.
         async with tokenizer_manager(tiny_served_model, context_length=1_000_000) as h:
-            streaming, other = h.client(), h.client()
+            streaming, long, small, probe = h.client(), h.client(), h.client(), h.client()
             await send(streaming, **generate("streams"))
             started = await h.to_scheduler()
-            await send(other, type="generate", rid="long", text="word " * 400_000)
-            await asyncio.sleep(0.3)  # the long prompt is in the tokenizer now
+            await send(long, type="generate", rid="long", text="word " * 400_000)
+            while not any("long" in rids for rids in h.manager.inflight.by_peer.values()):
+                await asyncio.sleep(0.01)  # it is in the tokenizer now
+            await send(long, type="abort", rid="long")
+            await send(small, **generate("small", stream=False))
+            await send(probe, type="health")
+            arrived = {type(m): m for m in [await h.to_scheduler() for _ in range(2)]}
+            assert arrived.keys() == {TokenizedGenerateReq, HealthReq}, arrived
+            await h.output(arrived[TokenizedGenerateReq].rid, [7], LENGTH)
+            assert (await receive(small))["output_ids"] == [7]
+            await h.backend.send(msgspec.msgpack.encode(HealthOut(arrived[HealthReq].query_id)))
+            assert (await receive(probe))["type"] == "health"
             for i in range(5):
                 await h.output(started.rid, [i])
                 assert (await receive(streaming))["output_ids"] == [i]
-            # Those replies went out before the long prompt's tokens reached the scheduler.
+            # All of that went out before the long prompt's tokens reached the scheduler.
             assert not await h.scheduler.poll(0)
-            assert isinstance(await h.to_scheduler(timeout=120), TokenizedGenerateReq)
+            long_req = await h.to_scheduler(timeout=120)
+            assert isinstance(long_req, TokenizedGenerateReq) and len(long_req.input_ids) > 10**5
+            assert await h.to_scheduler() == AbortReq(long_req.rid)
+            assert not await long.poll(100)  # no `not_found`: the abort found its request
 
     asyncio.run(scenario())
 
@@ -130,7 +145,7 @@ def test_a_slow_reader_gets_every_reply_in_the_end(tiny_served_model):
             started = await h.to_scheduler()
             await flood(h, started.rid, steps)
             await asyncio.sleep(0.5)  # all of it reached the manager: most of it must wait
-            assert h.manager.outbox.backlogs, "the test did not get past the queue"
+            assert h.manager.replies.outbox.backlogs, "the test did not get past the queue"
             replies = [await receive(client) for _ in range(steps)]
             assert [r["output_ids"] for r in replies] == [[i % 100] for i in range(steps)]
             assert replies[-1]["finished"]
@@ -154,7 +169,7 @@ def test_a_reader_too_slow_for_the_backlog_bound_is_aborted(tiny_served_model):
             assert replies[-1]["code"] == "overloaded" and replies[-1]["rid"] == "slow"
             assert all(r["type"] == "output" and not r["finished"] for r in replies[:-1])
             assert len(replies) < steps
-            assert not h.manager.outbox.backlogs and not h.manager.inflight.by_peer
+            assert not h.manager.replies.outbox.backlogs and not h.manager.inflight.by_peer
 
     asyncio.run(scenario())
 
@@ -175,9 +190,9 @@ def test_a_final_reply_waiting_for_a_slow_reader_is_never_lost(tiny_served_model
                 await h.output(flooding.rid, [i % 100], None, LONG_TEXT)
                 if i % 10 == 9:  # so the backlog holds well under the bound then
                     await asyncio.sleep(0.02)
-                    if h.manager.outbox.backlogs:
+                    if h.manager.replies.outbox.backlogs:
                         break
-            assert h.manager.outbox.backlogs, "the test did not get past the queue"
+            assert h.manager.replies.outbox.backlogs, "the test did not get past the queue"
             await h.output(owed.rid, [1], LENGTH)
             await asyncio.sleep(0.05)
             # Answered, its final queued behind the backlog.
@@ -215,5 +230,46 @@ def test_multipart_requests_are_refused_without_echoing_them(tiny_served_model, 
             assert reply[:-1] == ([b""] if frames[0] == b"" else [])
             error = msgspec.msgpack.decode(reply[-1])
             assert error["type"] == "error" and "one frame" in error["message"]
+
+    asyncio.run(scenario())
+
+
+def test_past_the_total_backlog_bound_the_largest_backlog_is_dropped(tiny_served_model):
+    """Two slow readers, each far under its own bound (64 MiB) but together over the total one:
+    the one with the most replies waiting has its request aborted (`overloaded`), though the
+    other's reply is the one that passes the bound; the other still gets every reply."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, max_total_reply_backlog_bytes=400_000) as h:
+            meter, backlog_bytes = h.manager.replies.backlog_meter, h.manager.replies.backlog_bytes
+            big = h.client(ROUTING_ID=b"big", **SMALL_BUFFERS)
+            small = h.client(ROUTING_ID=b"small", **SMALL_BUFFERS)
+            await send(big, **generate("big", max_new_tokens=10**5))
+            big_cid = (await h.to_scheduler()).rid
+            await send(small, **generate("small", max_new_tokens=10**5))
+            small_cid = (await h.to_scheduler()).rid
+            while meter.nbytes < 250_000:  # once the sockets' buffers are full, a backlog forms
+                for _ in range(10 if meter.nbytes else 100):
+                    await h.output(big_cid, [0], None, LONG_TEXT)
+                await asyncio.sleep(0.02)
+            assert not await h.scheduler.poll(0)  # under the total bound still
+            sent = 0
+            while not await h.scheduler.poll(20):  # until small's replies pass the total
+                for _ in range(10 if backlog_bytes(b"small") else 100):
+                    await h.output(small_cid, [sent % 100], None, LONG_TEXT)
+                    sent += 1
+                assert sent < 20_000, "the test did not get past the queue"
+            assert await h.to_scheduler() == AbortReq(big_cid)
+            await h.output(small_cid, [1], LENGTH)
+            replies = [await receive(small) for _ in range(sent + 1)]
+            assert [r["output_ids"] for r in replies[:-1]] == [[i % 100] for i in range(sent)]
+            assert replies[-1]["finished"] and not await small.poll(100)
+            reply = await receive(big)
+            while reply["type"] == "output":
+                assert not reply["finished"]
+                reply = await receive(big)
+            assert (reply["code"], reply["rid"]) == ("overloaded", "big")
+            assert "--max-total-reply-backlog-bytes" in reply["message"]
+            assert meter.nbytes == 0 and not h.manager.inflight.by_peer
 
     asyncio.run(scenario())

@@ -67,7 +67,7 @@ async def tokenizer_manager(model_dir: Path, **overrides: Any) -> AsyncIterator[
     )
     loops = [
         asyncio.create_task(loop())
-        for loop in (manager.client_loop, manager.output_loop, manager.flush_loop)
+        for loop in (manager.client_loop, manager.output_loop, manager.replies.flush_loop)
     ]
     try:
         yield harness

@@ -35,6 +35,7 @@ class InFlightRequest:
     open: int  # completions whose final the client has not had yet
     created: float = field(default_factory=time.monotonic)
     answered: bool = False  # it had its last reply: whatever comes later for it is dropped
+    aborted: bool = False  # its client asked to abort it (maybe while it was in the tokenizer)
 
     @property
     def peer(self) -> bytes:

@@ -12,33 +12,51 @@ import asyncio
 
 import msgspec
 
-from radixserve.protocol.wire import OutputReply
+from radixserve.protocol.wire import ErrorReply, OutputReply
+from radixserve.tokenizer_manager.backlog_meter import BacklogMeter
 
 
 class LocalClient:
-    def __init__(self, number: int, max_backlog_bytes: int):
+    def __init__(self, number: int, max_backlog_bytes: int, meter: BacklogMeter):
         self.peer = b"\x00local" + number.to_bytes(8, "big")
         self.max_backlog_bytes = max_backlog_bytes
+        self.meter = meter
         self._replies: asyncio.Queue[msgspec.Struct | None] = asyncio.Queue()
-        self._backlog_bytes = 0
+        self.backlog_bytes = 0  # of the replies not read yet
         self.closed = False
 
     def put(self, reply: msgspec.Struct) -> bool:
         """Queue a reply; False once unread replies pass the bound (a reader too slow)."""
         self._replies.put_nowait(reply)
-        self._backlog_bytes += _size(reply)
-        return self._backlog_bytes <= self.max_backlog_bytes
+        self._held(_size(reply))
+        return self.backlog_bytes <= self.max_backlog_bytes
 
     async def get(self) -> msgspec.Struct | None:
         """The next reply; None once the client is closed."""
         reply = await self._replies.get()
         if reply is not None:
-            self._backlog_bytes -= _size(reply)
+            self._held(-_size(reply))
         return reply
+
+    def fail(self, error: ErrorReply) -> None:
+        """The client reads too slowly: its unread replies are thrown away, `error` comes next
+        (one error ends an HTTP request)."""
+        self._discard()
+        self.put(error)
 
     def close(self) -> None:
         self.closed = True
+        self._discard()  # nobody reads them now
         self._replies.put_nowait(None)  # wakes a reader waiting for a reply that will not come
+
+    def _discard(self) -> None:
+        while not self._replies.empty():
+            self._replies.get_nowait()
+        self._held(-self.backlog_bytes)
+
+    def _held(self, nbytes: int) -> None:
+        self.backlog_bytes += nbytes
+        self.meter.add(nbytes)
 
 
 def _size(reply: msgspec.Struct) -> int:

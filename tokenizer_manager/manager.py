@@ -1,18 +1,16 @@
 """The client endpoint: a ZMQ ROUTER speaking the wire format (docs/WIRE.md), on asyncio.
 
-Two loops: `client_loop` decodes requests (request_decoder.py), tokenizes them and forwards them
-to the scheduler; `output_loop` turns what the detokenizer and scheduler send back into replies.
-Each reply goes to the client that asked, and only to it; a client that is gone or reads too
-slowly has its requests aborted, so their KV is freed at once.
+Two loops: `client_loop` decodes requests (request_decoder.py) and forwards them to the
+scheduler, each generate through admission.py, in a task of its own so that a long prompt holds
+up no one; `output_loop` turns what the detokenizer and scheduler send back into replies
+(replies.py). The HTTP front (http_server/) comes in through `submit` as local clients.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
-import uuid
 from typing import Any
 
 import msgspec
@@ -22,7 +20,6 @@ import zmq.asyncio
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
-    AbortReq,
     BatchStrOut,
     FlushCacheOut,
     FlushCacheReq,
@@ -34,13 +31,10 @@ from radixserve.protocol.internal import (
     ReqStrOut,
     ServerInfoOut,
     ServerInfoReq,
-    TokenizedGenerateReq,
     TokenizerManagerInput,
 )
 from radixserve.protocol.wire import (
-    INT64_MIN,
     AbortRequest,
-    ErrorReply,
     FlushCacheReply,
     FlushCacheRequest,
     GenerateRequest,
@@ -51,22 +45,21 @@ from radixserve.protocol.wire import (
 )
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager import request_log
-from radixserve.tokenizer_manager.inflight import Envelope, InFlight, InFlightRequest
+from radixserve.tokenizer_manager.admission import Admission
+from radixserve.tokenizer_manager.inflight import Envelope, InFlight
 from radixserve.tokenizer_manager.local_client import LocalClient
 from radixserve.tokenizer_manager.metrics import Metrics
-from radixserve.tokenizer_manager.outbox import Delivery, Outbox
+from radixserve.tokenizer_manager.replies import Replies
 from radixserve.tokenizer_manager.request_decoder import ClientError, RequestDecoder
 from radixserve.tokenizer_manager.sampling_defaults import (
     apply_sampling_defaults,
     load_sampling_defaults,
 )
-from radixserve.tokenizer_manager.tokenization import PromptTooLong, Tokenization
+from radixserve.tokenizer_manager.scheduler_link import SchedulerLink
+from radixserve.tokenizer_manager.shutdown import FINAL_FLUSH_S, drain
+from radixserve.tokenizer_manager.tokenization import Tokenization
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
-
-FLUSH_INTERVAL_S = 0.01  # how often replies waiting for a slow client are tried again
-ABORT_WAIT_S = 10.0  # at shutdown, how long the scheduler may take to end aborted requests
-FINAL_FLUSH_S = 2.0  # at shutdown, how long the last replies may take to leave
 
 
 class TokenizerManager:
@@ -84,23 +77,18 @@ class TokenizerManager:
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client fails
         self.router.setsockopt(zmq.MAXMSGSIZE, args.max_request_bytes)  # per frame (WIRE.md)
         self.router.bind(f"tcp://{args.host}:{args.port}")
-        self.outbox = Outbox(self.router, args.max_reply_backlog_bytes)
-        self.send_to_scheduler = transport.connect_push(
-            self.ctx, ipc_dir, transport.SCHEDULER_INPUT
-        )
+        self.link = SchedulerLink(self.ctx, ipc_dir)
         self.recv_from_backend = transport.bind_pull(
             self.ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
         )
         self.decoder = RequestDecoder(args.api_key)
-        self.encoder = msgspec.msgpack.Encoder()
         self.codec = transport.Codec(TokenizerManagerInput)
         self.inflight = InFlight()
+        self.replies = Replies(args, self.router, self.inflight, self.link)
+        self.admission = Admission(self.tokenization, self.inflight, self.link, self.replies)
         self.pending_queries: dict[int, Envelope] = {}
         self.query_ids = itertools.count()
-        self.local_clients: dict[bytes, LocalClient] = {}
-        self.local_ids = itertools.count()
         self.metrics = Metrics()
-        self.accepting = True
 
     # ---- client -> server ----------------------------------------------------------------------
 
@@ -112,37 +100,32 @@ class TokenizerManager:
             envelope = frames[:-1]
             if len(envelope) > 2 or envelope[1:] not in ([], [b""]):
                 envelope = frames[:2] if frames[1] == b"" else frames[:1]
-                await self.reply_error(envelope, ClientError("invalid_request", _ONE_FRAME))
+                error = ClientError("invalid_request", _ONE_FRAME)
+                await self.replies.reply_error(envelope, error)
                 continue
             try:
                 req = self.decoder.decode(frames[-1])
                 req = apply_sampling_defaults(req, frames[-1], self.sampling_defaults)
             except ClientError as e:
-                await self.reply_error(envelope, e)
+                await self.replies.reply_error(envelope, e)
                 continue
             await self.submit(envelope, req)
 
     async def submit(self, envelope: Envelope, req: Any) -> None:
         """A decoded, authorized request, from either front door: its answers, or one error,
-        go to `envelope`."""
-        try:
-            await self.handle_request(envelope, req)
-        except ClientError as e:
-            await self.reply_error(envelope, e)
-        except Exception as e:  # a bug must cost this client its request, not the server
-            logger.exception("request failed")
-            error = ClientError("internal", f"{type(e).__name__}: {e}")
-            await self.reply_error(envelope, error)
+        go to `envelope`. A generate is only registered by the time this returns."""
+        await self.replies.answer_errors(envelope, self.handle_request(envelope, req))
 
     async def handle_request(self, envelope: Envelope, req: Any) -> None:
         match req:
             case GenerateRequest():
-                await self.handle_generate(envelope, req)
+                self.admission.admit(envelope, req)
             case AbortRequest(rid=rid):
                 request = self.inflight.find(envelope[0], rid)
                 if request is None:
                     raise ClientError("not_found", f"no request {rid!r} is in flight", rid)
-                await self.abort(self.inflight.live_ids(request))
+                request.aborted = True  # in the tokenizer still: aborted as it is sent
+                await self.link.abort(self.inflight.live_ids(request))
             case ModelInfoRequest():
                 await self.forward_query(envelope, ModelInfoReq)
             case HealthRequest():
@@ -152,44 +135,10 @@ class TokenizerManager:
             case FlushCacheRequest():
                 await self.forward_query(envelope, FlushCacheReq)
 
-    async def handle_generate(self, envelope: Envelope, req: GenerateRequest) -> None:
-        rid = req.rid or uuid.uuid4().hex
-        if not self.accepting:
-            raise ClientError("overloaded", "the server is shutting down", rid)
-        n = req.sampling_params.n
-        request = self.inflight.open(envelope, rid, req.stream, n)
-        if request is None:
-            raise ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
-        try:
-            input_ids = await self.tokenization.input_ids_async(req)
-        except Exception as e:
-            self.inflight.answer(request)  # it never reached the scheduler: its rid is free
-            if not isinstance(e, ValueError):
-                raise
-            code = "too_long" if isinstance(e, PromptTooLong) else "invalid_request"
-            raise ClientError(code, str(e), rid) from None
-        for cid, index in self.inflight.start(request):
-            if request.answered:  # its client went away meanwhile: never started
-                self.inflight.end(cid)
-                continue
-            params = req.sampling_params
-            if n > 1:
-                # Each completion samples on its own; seeded ones stay reproducible (seed + i).
-                seed = None if params.seed is None else _wrap_int64(params.seed + (index or 0))
-                params = msgspec.structs.replace(params, n=1, seed=seed)
-            msg = TokenizedGenerateReq(
-                cid, input_ids, params, req.stream, req.return_logprob, req.top_logprobs_num
-            )
-            await self.send_to_scheduler.send(self.codec.encode(msg))
-
     async def forward_query(self, envelope: Envelope, query_type: type) -> None:
         qid = next(self.query_ids)
         self.pending_queries[qid] = envelope
-        await self.send_to_scheduler.send(self.codec.encode(query_type(qid)))
-
-    async def abort(self, ids: list[str]) -> None:
-        for cid in ids:
-            await self.send_to_scheduler.send(self.codec.encode(AbortReq(cid)))
+        await self.link.send(query_type(qid))
 
     # ---- server -> client ----------------------------------------------------------------------
 
@@ -230,7 +179,7 @@ class TokenizerManager:
             return
         reply = completion.reply(out)
         if reply is not None:
-            await self.reply(request.envelope, reply, request)
+            await self.replies.reply(request.envelope, reply, request)
         if finished and not request.answered:
             request.open -= 1
             if request.open == 0:
@@ -244,119 +193,35 @@ class TokenizerManager:
             return
         request = completion.request
         self.inflight.answer(request)
-        await self.abort(self.inflight.live_ids(request))
-        await self.reply_error(request.envelope, ClientError(code, message, request.rid))
-
-    async def drop_client(self, peer: bytes, too_slow: bool = False) -> None:
-        """Abort every request of a client that is gone, or that reads too slowly: then each of
-        them gets one `overloaded` error in place of the replies it did not read."""
-        lost = self.outbox.drop(peer)
-        requests = self.inflight.of_peer(peer)
-        # A request already answered whose last replies were among those thrown away is owed an
-        # error too: every request ends with exactly one final reply.
-        owed = requests + [r for r in lost if isinstance(r, InFlightRequest) and r.answered]
-        if too_slow:
-            logger.warning(
-                "A client reads too slowly: over %d bytes of replies wait (--max-reply-backlog-"
-                "bytes). Aborting its %d requests.",
-                self.args.max_reply_backlog_bytes,
-                len(requests),
-            )
-        elif requests:
-            logger.info("A client went away. Aborting its %d requests.", len(requests))
-        for request in requests:  # all answered first: a concurrent drop finds none of them
-            self.inflight.answer(request)
-        for request in requests:
-            await self.abort(self.inflight.live_ids(request))
-        if too_slow:
-            for request in owed:
-                error = ErrorReply("overloaded", _TOO_SLOW, rid=request.rid)
-                self._deliver(request.envelope, error)
-
-    async def flush_loop(self) -> None:
-        """Retry the replies that wait for room in a slow client's queue."""
-        while True:
-            await self.outbox.waiting.wait()
-            for peer in self.outbox.flush():
-                await self.drop_client(peer)
-            await asyncio.sleep(FLUSH_INTERVAL_S)
+        await self.link.abort(self.inflight.live_ids(request))
+        await self.replies.reply_error(request.envelope, ClientError(code, message, request.rid))
 
     async def answer_query(self, qid: int, reply: msgspec.Struct) -> None:
         envelope = self.pending_queries.pop(qid, None)
         if envelope is not None:
-            await self.reply(envelope, reply)
-
-    async def reply_error(self, envelope: Envelope, error: ClientError) -> None:
-        if self.args.log_requests:
-            request_log.failed(error.rid, error.code, error.message)
-        await self.reply(envelope, ErrorReply(error.code, error.message, rid=error.rid))
-
-    async def reply(
-        self, envelope: Envelope, reply: msgspec.Struct, request: InFlightRequest | None = None
-    ) -> None:
-        match self._deliver(envelope, reply, request):
-            case Delivery.GONE:
-                await self.drop_client(envelope[0])
-            case Delivery.OVERFLOW:
-                await self.drop_client(envelope[0], too_slow=True)
-
-    def _deliver(
-        self, envelope: Envelope, reply: msgspec.Struct, request: InFlightRequest | None = None
-    ) -> Delivery:
-        local = self.local_clients.get(envelope[0])
-        if local is not None:
-            return Delivery.SENT if local.put(reply) else Delivery.OVERFLOW
-        return self.outbox.send(envelope, self.encoder.encode(reply), request)
+            await self.replies.reply(envelope, reply)
 
     # ---- in-process clients (the HTTP front) ---------------------------------------------------
 
     def open_local_client(self) -> LocalClient:
-        client = LocalClient(next(self.local_ids), self.args.max_reply_backlog_bytes)
-        self.local_clients[client.peer] = client
-        return client
+        return self.replies.open_local_client()
 
     async def close_local_client(self, client: LocalClient) -> None:
-        """The client is done or gone: what it still has in flight is aborted."""
-        if self.local_clients.pop(client.peer, None) is not None:
-            client.close()
-            await self.drop_client(client.peer)
+        await self.replies.close_local_client(client)
 
     # ---- shutdown ------------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
         """SIGTERM: refuse new requests, give those in flight --shutdown-timeout seconds to
         finish, abort the rest, and deliver every last reply before the process exits."""
-        self.accepting = False
+        self.admission.accepting = False
         logger.info("Shutting down. %d requests in flight.", len(self.inflight.completions))
-        await self._wait_for_no_completions(self.args.shutdown_timeout, abort=False)
-        await self._wait_for_no_completions(ABORT_WAIT_S, abort=True)
-        deadline = time.monotonic() + FINAL_FLUSH_S
-        while self.outbox.backlogs and time.monotonic() < deadline:
-            self.outbox.flush()
-            await asyncio.sleep(FLUSH_INTERVAL_S)
+        await drain(self.inflight, self.link, self.replies, self.args.shutdown_timeout)
 
     def close(self) -> None:
         self.tokenization.close()
         # What ZMQ still queues for the clients gets its last chance to leave.
         self.ctx.destroy(linger=int(FINAL_FLUSH_S * 1000))
 
-    async def _wait_for_no_completions(self, timeout: float, abort: bool) -> None:
-        aborted: set[str] = set()
-        deadline = time.monotonic() + timeout
-        # by_peer: a request whose prompt is still in the tokenizer has no completion yet.
-        while (self.inflight.completions or self.inflight.by_peer) and time.monotonic() < deadline:
-            if abort:  # those started meanwhile too: a prompt may have been in the tokenizer
-                late = self.inflight.completions.keys() - aborted
-                await self.abort(list(late))
-                aborted |= late
-            await asyncio.sleep(0.02)
-
 
 _ONE_FRAME = "a request is one frame (after a REQ socket's empty delimiter)"
-_TOO_SLOW = "replies to this client went unread past --max-reply-backlog-bytes: request aborted"
-
-
-def _wrap_int64(value: int) -> int:
-    """value mod 2**64 as a signed 64-bit integer: completion i of a seeded request draws from
-    seed + i, which must stay a valid seed at the top of the range."""
-    return (value - INT64_MIN) % 2**64 + INT64_MIN

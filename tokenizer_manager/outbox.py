@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
+from radixserve.tokenizer_manager.backlog_meter import BacklogMeter
+
 
 class Delivery(enum.Enum):
     SENT = "sent"
@@ -33,9 +35,10 @@ class _Backlog:
 
 
 class Outbox:
-    def __init__(self, router: zmq.asyncio.Socket, max_backlog_bytes: int):
+    def __init__(self, router: zmq.asyncio.Socket, max_backlog_bytes: int, meter: BacklogMeter):
         self.router = router
         self.max_backlog_bytes = max_backlog_bytes
+        self.meter = meter
         self.backlogs: dict[bytes, _Backlog] = {}  # by the client's routing id
         self.waiting = asyncio.Event()  # set while some backlog is not empty
 
@@ -48,10 +51,9 @@ class Outbox:
                 return sent
             backlog = self.backlogs[envelope[0]] = _Backlog()
             self.waiting.set()
-        backlog.messages.append(
-            (frames, owner)
-        )  # behind older ones: a client gets its replies in order
-        backlog.nbytes += len(data)
+        # Behind older ones: a client gets its replies in order.
+        backlog.messages.append((frames, owner))
+        self._held(backlog, len(data))
         return Delivery.OVERFLOW if backlog.nbytes > self.max_backlog_bytes else Delivery.QUEUED
 
     def flush(self) -> list[bytes]:
@@ -61,7 +63,7 @@ class Outbox:
         for peer, backlog in list(self.backlogs.items()):
             if self._drain(backlog) is Delivery.GONE:
                 gone.append(peer)
-                del self.backlogs[peer]
+                self._forget(peer)
             elif not backlog.messages:
                 del self.backlogs[peer]
         if not self.backlogs:
@@ -74,17 +76,27 @@ class Outbox:
             if sent is not Delivery.SENT:
                 return sent
             frames, _ = backlog.messages.popleft()
-            backlog.nbytes -= len(frames[-1])
+            self._held(backlog, -len(frames[-1]))
         return Delivery.SENT
 
     def drop(self, peer: bytes) -> list[object]:
         """Forget what waits for `peer`; returns the owners of what was thrown away."""
-        backlog = self.backlogs.pop(peer, None)
+        backlog = self._forget(peer)
         if not self.backlogs:
             self.waiting.clear()
         if backlog is None:
             return []
         return list(dict.fromkeys(o for _, o in backlog.messages if o is not None))  # each once
+
+    def _forget(self, peer: bytes) -> _Backlog | None:
+        backlog = self.backlogs.pop(peer, None)
+        if backlog is not None:
+            self.meter.add(-backlog.nbytes)
+        return backlog
+
+    def _held(self, backlog: _Backlog, nbytes: int) -> None:
+        backlog.nbytes += nbytes
+        self.meter.add(nbytes)
 
     def _try_send(self, frames: list[bytes]) -> Delivery | None:
         """SENT or GONE; None when the client's queue is full."""

@@ -29,7 +29,7 @@ async def _serve(
     loops = [
         asyncio.create_task(manager.client_loop()),
         asyncio.create_task(manager.output_loop()),
-        asyncio.create_task(manager.flush_loop()),
+        asyncio.create_task(manager.replies.flush_loop()),
         asyncio.create_task(_beat(heartbeat)),
     ]
     if http is not None:

@@ -1,9 +1,10 @@
 """Prompts to token ids: raw text, a chat conversation through the model's template, or ids.
 
-Tokenizing runs on one worker thread, off the event loop: a long prompt then delays only the
-requests that come after it, never the streams already running (the tokenizer releases the GIL
-while it works). One thread keeps requests in their order, and a tokenizer is not safe to call
-from two threads at once.
+Tokenizing runs off the event loop, on two lanes of one worker thread each: prompts longer than
+LONG_PROMPT_CHARS queue on one, the others on the other. A prompt near the context's length
+(seconds in the tokenizer) then delays only other long prompts, never a short one, nor the
+streams already running (the tokenizer releases the GIL while it works). Each lane has its own
+tokenizer: one is not safe to call from two threads at once.
 """
 
 from __future__ import annotations
@@ -12,38 +13,61 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import jinja2
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixserve.protocol.wire import GenerateRequest
+
+# Tens of milliseconds of tokenizing at most: the short lane stays quick for all queued on it.
+LONG_PROMPT_CHARS = 32_768
 
 
 class PromptTooLong(ValueError):
     pass
 
 
+class _Lane:
+    """One worker thread, and the tokenizer that only it calls."""
+
+    def __init__(self, model_path: str, name: str, tokenizer: PreTrainedTokenizerBase | None):
+        self._model_path = model_path
+        self._tokenizer = tokenizer
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tokenize-{name}")
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """On the lane's thread only. The long lane loads its own at its first prompt (a second
+        at start would cost every server a second's load, and most never see a long prompt)."""
+        if self._tokenizer is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(self._model_path)
+        return self._tokenizer
+
+
 class Tokenization:
     def __init__(self, model_path: str, vocab_size: int, context_len: int):
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self._short = _Lane(model_path, "short", tokenizer)
+        self._long = _Lane(model_path, "long", None)
         self.vocab_size = vocab_size
         # No token stands for more characters than its own spelling has, so a text longer than
         # this cannot fit the context: it is refused before the tokenizer spends seconds on it.
-        longest_token = max(map(len, self.tokenizer.get_vocab()))
+        longest_token = max(map(len, tokenizer.get_vocab()))
         self.max_prompt_chars = context_len * longest_token
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def input_ids_async(self, req: GenerateRequest) -> list[int]:
+        lane = self._long if _prompt_size(req) > LONG_PROMPT_CHARS else self._short
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, self.input_ids, req)
+        return await loop.run_in_executor(
+            lane.worker, lambda: self.input_ids(req, lane.tokenizer())
+        )
 
     async def token_texts_async(self, ids: list[int]) -> list[str]:
-        """Each token's own text (OpenAI's logprobs name tokens so), on the worker thread."""
+        """Each token's own text (OpenAI's logprobs name tokens so), on the short lane."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._worker, self._token_texts, ids)
+        return await loop.run_in_executor(self._short.worker, self._token_texts, ids)
 
     def _token_texts(self, ids: list[int]) -> list[str]:
-        return self.tokenizer.batch_decode([[i] for i in ids])
+        return self._short.tokenizer().batch_decode([[i] for i in ids])
 
-    def input_ids(self, req: GenerateRequest) -> list[int]:
+    def input_ids(self, req: GenerateRequest, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """The prompt's token ids; ValueError naming the field for ids outside the vocabulary,
         PromptTooLong for a text that cannot fit the context."""
         self._check_ids("sampling_params.stop_token_ids", req.sampling_params.stop_token_ids)
@@ -51,11 +75,11 @@ class Tokenization:
             self._check_ids("input_ids", req.input_ids)
             return req.input_ids
         if req.messages is not None:
-            if self.tokenizer.chat_template is None:
+            if tokenizer.chat_template is None:
                 raise ValueError("messages: this model has no chat template; send text")
             self._check_length("messages", sum(len(m.content) for m in req.messages))
             try:
-                text = self.tokenizer.apply_chat_template(
+                text = tokenizer.apply_chat_template(
                     [{"role": m.role, "content": m.content} for m in req.messages],
                     tokenize=False,
                     add_generation_prompt=True,
@@ -63,10 +87,10 @@ class Tokenization:
             except jinja2.TemplateError as e:  # its raise_exception: roles out of order, say
                 raise ValueError(f"messages: the model's chat template refused them: {e}") from None
             # The template already wrote the special tokens (BOS, role markers).
-            return self.tokenizer(text, add_special_tokens=False).input_ids
+            return tokenizer(text, add_special_tokens=False).input_ids
         assert req.text is not None
         self._check_length("text", len(req.text))
-        return self.tokenizer(req.text).input_ids
+        return tokenizer(req.text).input_ids
 
     def _check_ids(self, field: str, ids: list[int]) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -81,4 +105,14 @@ class Tokenization:
             )
 
     def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        for lane in (self._short, self._long):
+            lane.worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _prompt_size(req: GenerateRequest) -> int:
+    """Characters of text, or ids to check: what the prompt costs its lane."""
+    if req.input_ids is not None:
+        return len(req.input_ids)
+    if req.messages is not None:
+        return sum(len(m.content) for m in req.messages)
+    return len(req.text or "")

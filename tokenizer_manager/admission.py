@@ -1,0 +1,79 @@
+"""A generate's way in: registered at once, then tokenized and sent to the scheduler in a task
+of its own, so that while a long prompt is in the tokenizer the manager goes on taking
+everyone's requests (aborts, health checks, other generates)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import msgspec
+
+from radixserve.protocol.internal import AbortReq, TokenizedGenerateReq
+from radixserve.protocol.wire import INT64_MIN, GenerateRequest
+from radixserve.tokenizer_manager.inflight import Envelope, InFlight, InFlightRequest
+from radixserve.tokenizer_manager.replies import Replies
+from radixserve.tokenizer_manager.request_decoder import ClientError
+from radixserve.tokenizer_manager.scheduler_link import SchedulerLink
+from radixserve.tokenizer_manager.tokenization import PromptTooLong, Tokenization
+
+
+class Admission:
+    def __init__(
+        self, tokenization: Tokenization, inflight: InFlight, link: SchedulerLink, replies: Replies
+    ):
+        self.tokenization = tokenization
+        self.inflight = inflight
+        self.link = link
+        self.replies = replies
+        self.accepting = True  # until shutdown
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
+
+    def admit(self, envelope: Envelope, req: GenerateRequest) -> None:
+        """Register the request now, so that its client's next message (an abort) finds it;
+        tokenize and send it in a task. ClientError when it is refused at once."""
+        rid = req.rid or uuid.uuid4().hex
+        if not self.accepting:
+            raise ClientError("overloaded", "the server is shutting down", rid)
+        request = self.inflight.open(envelope, rid, req.stream, req.sampling_params.n)
+        if request is None:
+            raise ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
+        task = asyncio.create_task(self.replies.answer_errors(envelope, self._send(request, req)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, request: InFlightRequest, req: GenerateRequest) -> None:
+        try:
+            input_ids = await self.tokenization.input_ids_async(req)
+        except Exception as e:
+            self.inflight.answer(request)  # it never reached the scheduler: its rid is free
+            if not isinstance(e, ValueError):
+                raise
+            code = "too_long" if isinstance(e, PromptTooLong) else "invalid_request"
+            raise ClientError(code, str(e), request.rid) from None
+        # Nothing awaits from here to the last send: an abort of this request comes before all
+        # of it (request.aborted) or after all of it (its completions are live by then).
+        sends = []
+        base = req.sampling_params
+        for cid, index in self.inflight.start(request):
+            if request.answered:  # its client went away meanwhile: never started
+                self.inflight.end(cid)
+                continue
+            params = base
+            if index is not None:
+                # Each completion samples on its own; seeded ones stay reproducible (seed + i).
+                seed = None if base.seed is None else _wrap_int64(base.seed + index)
+                params = msgspec.structs.replace(base, n=1, seed=seed)
+            msg = TokenizedGenerateReq(
+                cid, input_ids, params, req.stream, req.return_logprob, req.top_logprobs_num
+            )
+            sends.append(self.link.send(msg))
+        if request.aborted and not request.answered:
+            sends += [self.link.send(AbortReq(cid)) for cid in self.inflight.live_ids(request)]
+        await asyncio.gather(*sends)
+
+
+def _wrap_int64(value: int) -> int:
+    """value mod 2**64 as a signed 64-bit integer: completion i of a seeded request draws from
+    seed + i, which must stay a valid seed at the top of the range."""
+    return (value - INT64_MIN) % 2**64 + INT64_MIN
