@@ -25,7 +25,13 @@ from radixserve.model_worker.parallel import TPGroup
 from radixserve.process_setup import keep_freed_memory
 
 CATEGORIES = {
-    "matmul": ("aten::addmm", "aten::mm", "radixserve::linear_small_m", "quantized::linear"),
+    "matmul": (
+        "aten::addmm",
+        "aten::mm",
+        "radixserve::linear_small_m",
+        "mkldnn::_linear_pointwise",
+        "quantized::linear",
+    ),
     "attention": ("aten::_scaled_dot_product", "radixserve::paged_attention", "aten::bmm"),
     "KV gather and write": ("aten::index_select", "aten::index_put_", "aten::index"),
 }

@@ -2,19 +2,29 @@
 
 `TorchOps` is eager torch, runs on every device and dtype, and is the reference. `CpuKernelOps`
 calls the CPU extension (`cpu_kernels.py`): one pass per op instead of several eager ops (a
-decode step of one sequence runs ~600 fewer ops), and a linear layer for a few rows that reads
-the weights at memory speed. The model runner picks one for the whole model.
+decode step of one sequence runs ~600 fewer ops), a linear layer for a few rows that reads
+the weights at memory speed, and oneDNN on weights reordered once (`packed_linear.py`) for more
+rows. The model runner picks one for the whole model, and converts the weights as its ops ask.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from radixserve.model_worker.packed_linear import PackedWeight, onednn_packing_available
 from radixserve.model_worker.quantization import Int8Weight
+
+# A linear weight prepared once after loading: int8, or kept in oneDNN's layout as well.
+PreparedWeight = Int8Weight | PackedWeight
 
 # Rows up to which linear_small_m beats BLAS here (the extension's kMaxSmallM).
 SMALL_M = 8
+# Rows from which oneDNN on a reordered weight beats linear_small_m (benchmarks/bench_linear.py:
+# at 3 rows 0.50 against 0.67 ms for a layer's four projections; at 1 and 2 rows it loses).
+PACKED_MIN_ROWS = 3
 
 
 class TorchOps:
@@ -45,11 +55,15 @@ class TorchOps:
         return F.silu(gate).mul_(up)
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None
+        self, x: torch.Tensor, weight: torch.Tensor | PreparedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if isinstance(weight, Int8Weight):
-            return weight.matmul(x, bias)
-        return F.linear(x, weight, bias)
+        if isinstance(weight, torch.Tensor):
+            return F.linear(x, weight, bias)
+        return weight.matmul(x, bias)
+
+    def weight_conversion(self) -> Callable[[torch.Tensor], PreparedWeight] | None:
+        """How the float weights are best kept for these ops, once loaded; None: as they are."""
+        return None
 
 
 class CpuKernelOps(TorchOps):
@@ -84,13 +98,20 @@ class CpuKernelOps(TorchOps):
         return self._silu_and_mul(gate_up)
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None
+        self, x: torch.Tensor, weight: torch.Tensor | PreparedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         if isinstance(weight, Int8Weight):
+            return weight.matmul(x, bias)
+        if isinstance(weight, PackedWeight):
+            if x.shape[0] < PACKED_MIN_ROWS and x.is_contiguous():
+                return self._linear_small_m(x, weight.dense, bias)
             return weight.matmul(x, bias)
         if x.shape[0] <= SMALL_M and x.is_contiguous():
             return self._linear_small_m(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def weight_conversion(self) -> Callable[[torch.Tensor], PreparedWeight] | None:
+        return PackedWeight if onednn_packing_available() else None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

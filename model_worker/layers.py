@@ -8,17 +8,18 @@ loader fails if any of them is never written.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model_worker.fused_ops import TorchOps
+from radixserve.model_worker.fused_ops import PreparedWeight, TorchOps
 from radixserve.model_worker.model_config import RopeConfig
 from radixserve.model_worker.parallel import TPGroup
-from radixserve.model_worker.quantization import Int8Weight
+
+WeightConversion = Callable[[torch.Tensor], PreparedWeight]
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -145,8 +146,8 @@ class ColumnParallelLinear(LoadableModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
 
-    def quantize_int8(self) -> None:
-        _quantize_weight(self)
+    def convert_weight(self, convert: WeightConversion) -> None:
+        _convert_weight(self, convert)
 
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         param = getattr(self, name)
@@ -183,8 +184,8 @@ class RowParallelLinear(LoadableModule):
         # Added after the sum, or every rank would add it once.
         return y + self.bias if self.bias is not None else y
 
-    def quantize_int8(self) -> None:
-        _quantize_weight(self)
+    def convert_weight(self, convert: WeightConversion) -> None:
+        _convert_weight(self, convert)
 
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         if name == "bias":
@@ -220,8 +221,8 @@ class VocabParallelEmbedding(LoadableModule):
         self.rows_per_rank = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.rows_per_rank
         self.weight = _param(self.rows_per_rank, hidden_size, dtype=dtype, device=device)
-        # The LM head's own copy once quantized; the embedding lookup keeps `weight`.
-        self.head_weight: Int8Weight | None = None
+        # The LM head's own prepared copy, once converted; the embedding lookup keeps `weight`.
+        self.head_weight: PreparedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -238,9 +239,9 @@ class VocabParallelEmbedding(LoadableModule):
         logits = self.tp.all_gather(self.ops.linear(hidden, weight, None), dim=-1)
         return logits[:, : self.vocab_size].float()
 
-    def quantize_int8(self) -> None:
-        """Quantize its use as the LM head."""
-        self.head_weight = Int8Weight(self.weight)
+    def convert_head_weight(self, convert: WeightConversion) -> None:
+        """Prepare its use as the LM head."""
+        self.head_weight = convert(self.weight)
 
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         _check_shape((self.vocab_size, self.weight.shape[1]), loaded.shape)
@@ -249,10 +250,10 @@ class VocabParallelEmbedding(LoadableModule):
         self.weight[: rows.shape[0]].copy_(rows)
 
 
-def _quantize_weight(layer: nn.Module) -> None:
-    # The float weight is dropped: the int8 copy replaces it in forward. (nn.Module types its
-    # attributes as tensors or modules, and this one is neither.)
+def _convert_weight(layer: nn.Module, convert: WeightConversion) -> None:
+    # The parameter is replaced: the prepared copy takes its place in forward. (nn.Module types
+    # its attributes as tensors or modules, and this one is neither.)
     float_weight = layer.weight
     assert isinstance(float_weight, torch.Tensor)
     del layer.weight
-    layer.weight = Int8Weight(float_weight)  # type: ignore[assignment]
+    layer.weight = convert(float_weight)  # type: ignore[assignment]

@@ -15,7 +15,7 @@ from radixserve.model_worker.loader import load_weights
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.models import get_model_class
 from radixserve.model_worker.parallel import TPGroup
-from radixserve.model_worker.quantization import check_quantization
+from radixserve.model_worker.quantization import Int8Weight, check_quantization
 from radixserve.model_worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,9 @@ class ModelRunner:
         )
         load_weights(self.model, model_path)
         self.quantization = quantization
-        if quantization == "int8":
-            self.model.quantize_int8()
+        convert = Int8Weight if quantization == "int8" else kernels.ops.weight_conversion()
+        if convert is not None:
+            self.model.convert_linear_weights(convert)
 
         kv_slot_bytes = TokenToKVPool.bytes_per_slot(
             config.num_hidden_layers, num_kv_heads, config.head_dim, dtype

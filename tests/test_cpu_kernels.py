@@ -8,10 +8,12 @@ import pytest
 import torch
 from test_attention import make_batch, run_backend
 
-from radixserve.model_worker.fused_ops import CpuKernelOps, TorchOps
+from radixserve.model_worker.fused_ops import SMALL_M, CpuKernelOps, TorchOps
 from radixserve.model_worker.kernel_selection import select_kernels
 from radixserve.model_worker.kv_pool import TokenToKVPool
+from radixserve.model_worker.layers import ColumnParallelLinear
 from radixserve.model_worker.model_runner import ModelRunner
+from radixserve.model_worker.packed_linear import PackedWeight
 from radixserve.model_worker.parallel import TPGroup
 
 CPU = torch.device("cpu")
@@ -23,12 +25,16 @@ def kernel_ops() -> CpuKernelOps:
     return CpuKernelOps()
 
 
-def test_paged_attention_equals_torch_native(kernel_ops) -> None:
+MIXED_BATCH = [(150, 1), (0, 70), (5, 1), (200, 33), (64, 1), (130, 64), (0, 1), (97, 1)]
+
+
+# Many work items: each takes all KV heads of its query rows; few: one KV head each.
+@pytest.mark.parametrize("lens", [MIXED_BATCH, [(150, 1)], [(0, 70)]], ids=["mixed", "one", "few"])
+def test_paged_attention_equals_torch_native(kernel_ops, lens) -> None:
     """SmolLM2's heads (9 query, 3 KV, head_dim 64); contexts long enough for several key blocks
     and query blocks per sequence; decodes, a fresh prefill, chunks over cached prefixes, and a
     prefix hit whose one new token is not a decode of a running request."""
     heads, kv_heads, head_dim, num_slots = 9, 3, 64, 2048
-    lens = [(150, 1), (0, 70), (5, 1), (200, 33), (64, 1), (130, 64), (0, 1), (97, 1)]
     outs, pools = [], []
     for name in ("torch_native", "cpu_attn"):
         pool = TokenToKVPool(num_slots, 1, kv_heads, head_dim, dtype=torch.float32, device=CPU)
@@ -49,7 +55,7 @@ def test_paged_attention_rejects_slots_outside_the_pool(kernel_ops) -> None:
         attn.init_forward_metadata(case.fb)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 33])
 def test_fused_ops_equal_torch(kernel_ops, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     ref = TorchOps()
@@ -83,14 +89,16 @@ def test_fused_ops_equal_torch(kernel_ops, rows: int) -> None:
 
     weight = torch.randn(37, hidden, generator=gen)
     bias = torch.randn(37, generator=gen)
+    packed = PackedWeight(weight)
     for b in (None, bias):
-        torch.testing.assert_close(
-            kernel_ops.linear(x, weight, b), ref.linear(x, weight, b), atol=1e-4, rtol=1e-5
-        )
+        expected = ref.linear(x, weight, b)
+        torch.testing.assert_close(kernel_ops.linear(x, weight, b), expected, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(kernel_ops.linear(x, packed, b), expected, atol=1e-4, rtol=1e-5)
 
 
 def test_cpu_attn_forward_runs_the_extension(tiny_model) -> None:
-    """The profiler names the ops a forward ran: the extension's, and no SDPA."""
+    """The profiler names the ops a forward ran: the extension's, and no SDPA; oneDNN on the
+    weights reordered at load for a prompt of more rows than linear_small_m takes."""
     runner = ModelRunner(
         str(tiny_model("qwen3")),
         dtype=torch.float32,
@@ -101,13 +109,15 @@ def test_cpu_attn_forward_runs_the_extension(tiny_model) -> None:
         seed=0,
         attention_backend="cpu_attn",
     )
-    fb_batch = _one_prompt_batch(6)
+    linears = [m for m in runner.model.modules() if isinstance(m, ColumnParallelLinear)]
+    assert linears and all(isinstance(m.weight, PackedWeight) for m in linears)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        runner.forward_logits(fb_batch)
+        runner.forward_logits(_one_prompt_batch(SMALL_M + 4))
     ran = {e.key for e in prof.key_averages()}
     for op in ("paged_attention", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
         assert f"radixserve::{op}" in ran
     assert "radixserve::linear_small_m" in ran  # the one-row LM head
+    assert "mkldnn::_linear_pointwise" in ran  # the prompt's projections
     assert "aten::scaled_dot_product_attention" not in ran
 
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -17,8 +18,73 @@
 namespace radixserve {
 namespace {
 
-constexpr int64_t kBlockKeys = 64;   // keys scored per step of the online softmax
-constexpr int64_t kQueryRows = 64;   // query rows (tokens x heads of one KV head) per work item
+constexpr int64_t kBlockKeys = 64;    // keys scored per step of the online softmax
+constexpr int64_t kQueryRows = 64;    // query rows (tokens x heads of one KV head) per work item
+constexpr int64_t kPrefetchKeys = 8;  // keys ahead whose K and V rows are prefetched
+constexpr int kRowGroup = 4;          // query rows that share each load of a K or V row
+
+// A head's K or V row sits at a slot of the pool that no pattern predicts (a decode step's
+// tokens are interleaved with other sequences'): fetch it ahead, or every key waits for memory.
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
+}
+
+// scores[i][j] = q_i . k_j for RN query rows and the block's n keys: each K row loaded once.
+template <int RN>
+void score_rows(const float* q, const float* const* slot_rows, int64_t head_offset, int64_t n,
+                int64_t D, float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = slot_rows[j] + head_offset;
+    Vec a[RN];
+    for (int i = 0; i < RN; ++i) a[i] = Vec(0.f);
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      const Vec kv = Vec::loadu(kr + d);
+      for (int i = 0; i < RN; ++i) a[i] = at::vec::fmadd(Vec::loadu(q + i * D + d), kv, a[i]);
+    }
+    for (int i = 0; i < RN; ++i) {
+      float sum = hsum(a[i]);
+      for (int64_t dd = d; dd < D; ++dd) sum += q[i * D + dd] * kr[dd];
+      scores[i * kBlockKeys + j] = sum;
+    }
+  }
+}
+
+// acc[i] += sum_j p[i][j] v_j for RN query rows: each V row loaded once, acc held in registers.
+template <int RN>
+void accumulate_rows(const float* p, const float* const* slot_rows, int64_t head_offset, int64_t n,
+                     int64_t D, float* acc) {
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    Vec a[RN];
+    for (int i = 0; i < RN; ++i) a[i] = Vec::loadu(acc + i * D + d);
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec vv = Vec::loadu(slot_rows[j] + head_offset + d);
+      for (int i = 0; i < RN; ++i) a[i] = at::vec::fmadd(Vec(p[i * kBlockKeys + j]), vv, a[i]);
+    }
+    for (int i = 0; i < RN; ++i) a[i].store(acc + i * D + d);
+  }
+  for (; d < D; ++d) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int i = 0; i < RN; ++i) {
+        acc[i * D + d] += p[i * kBlockKeys + j] * slot_rows[j][head_offset + d];
+      }
+    }
+  }
+}
+
+// Runs f<RN>(first row) over rows [0, R) in groups of up to kRowGroup.
+template <typename F>
+void for_row_groups(int64_t R, F&& f) {
+  for (int64_t r0 = 0; r0 < R; r0 += kRowGroup) {
+    switch (std::min<int64_t>(kRowGroup, R - r0)) {
+      case 1: f(std::integral_constant<int, 1>{}, r0); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0); break;
+      case 3: f(std::integral_constant<int, 3>{}, r0); break;
+      default: f(std::integral_constant<int, 4>{}, r0); break;
+    }
+  }
+}
 
 struct Item {
   int64_t seq, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence's new tokens
@@ -90,73 +156,104 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const float* vc = v_cache.data_ptr<float>();
   const int64_t* slots_all = kv_slots.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const int64_t num_work = static_cast<int64_t>(items.size()) * Hkv;
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // A work unit takes every KV head of its item, reading each slot's K and V rows whole (one
+  // contiguous run of memory per slot), unless there are too few items to keep every thread busy.
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t heads_per_unit = num_items >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t units_per_item = Hkv / heads_per_unit;
+  const int64_t num_work = num_items * units_per_item;
 
   // Dynamic scheduling: a causal prefill's later blocks cost more than its first ones.
 #pragma omp parallel if (num_work > 1 && !omp_in_parallel())
   {
-    const int64_t rows_max = q_block * G;
-    std::vector<float> qbuf(rows_max * D), acc(rows_max * D), scores(rows_max * kBlockKeys);
+    // Row r of head h (h counted from the unit's first head) is at [h * R + r].
+    const int64_t rows_max = q_block * G * heads_per_unit;
+    std::vector<float> qbuf(rows_max * D), acc(rows_max * D), scores(q_block * G * kBlockKeys);
     std::vector<float> row_max(rows_max), row_sum(rows_max);
-    std::vector<int64_t> row_keys(rows_max);
+    std::vector<int64_t> row_keys(q_block * G);
+    std::vector<const float*> krows(kBlockKeys), vrows(kBlockKeys);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < num_work; ++w) {
-      const Item& it = items[w / Hkv];
-      const int64_t h = w % Hkv;
-      const int64_t R = (it.q_end - it.q_begin) * G;  // row r: token q_begin + r / G, head h*G + r % G
+      const Item& it = items[w / units_per_item];
+      const int64_t h_begin = (w % units_per_item) * heads_per_unit;
+      const int64_t R = (it.q_end - it.q_begin) * G;  // row r: token q_begin + r / G, head r % G
       const int64_t tok0 = first_token[it.seq] + it.q_begin;
       const int64_t* slots = slots_all + it.seq * L;
       for (int64_t r = 0; r < R; ++r) {
-        const float* src = qp + (tok0 + r / G) * q.stride(0) + (h * G + r % G) * q.stride(1);
-        for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * static_cast<float>(scale);
         // Causal: the row's token at position prefix + i sees keys 0..prefix + i.
         row_keys[r] = prefix[it.seq] + it.q_begin + r / G + 1;
-        row_max[r] = neg_inf;
-        row_sum[r] = 0.f;
       }
-      std::fill(acc.begin(), acc.begin() + R * D, 0.f);
+      for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
+        const int64_t h = h_begin + hh;
+        for (int64_t r = 0; r < R; ++r) {
+          const float* src = qp + (tok0 + r / G) * q.stride(0) + (h * G + r % G) * q.stride(1);
+          float* dst = qbuf.data() + (hh * R + r) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * static_cast<float>(scale);
+          row_max[hh * R + r] = neg_inf;
+          row_sum[hh * R + r] = 0.f;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + heads_per_unit * R * D, 0.f);
+      const int64_t row_floats = heads_per_unit * D;  // what this unit reads of a slot's row
       const int64_t kv_end = prefix[it.seq] + it.q_end;
       for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockKeys) {
         const int64_t n = std::min(kBlockKeys, kv_end - j0);
         for (int64_t j = 0; j < n; ++j) {
-          const float* kr = kc + (slots[j0 + j] * Hkv + h) * D;
-          for (int64_t r = 0; r < R; ++r) scores[r * kBlockKeys + j] = dot(qbuf.data() + r * D, kr, D);
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t cnt = std::min(n, row_keys[r] - j0);
-          if (cnt <= 0) continue;
-          float* s = scores.data() + r * kBlockKeys;
-          const float new_max = std::max(row_max[r], *std::max_element(s, s + cnt));
-          const float rescale = std::exp(row_max[r] - new_max);
-          const Vec vmax(new_max);
-          Vec vsum(0.f);
-          int64_t j = 0;
-          for (; j + kLanes <= cnt; j += kLanes) {
-            const Vec p = (Vec::loadu(s + j) - vmax).exp();
-            p.store(s + j);
-            vsum = vsum + p;
+          krows[j] = kc + (slots[j0 + j] * Hkv + h_begin) * D;
+          vrows[j] = vc + (slots[j0 + j] * Hkv + h_begin) * D;
+          if (j0 + j + kPrefetchKeys < kv_end) {
+            const int64_t ahead = (slots[j0 + j + kPrefetchKeys] * Hkv + h_begin) * D;
+            prefetch_row(kc + ahead, row_floats);
+            prefetch_row(vc + ahead, row_floats);
           }
-          float sum = hsum(vsum);
-          for (; j < cnt; ++j) {
-            s[j] = std::exp(s[j] - new_max);
-            sum += s[j];
-          }
-          row_sum[r] = row_sum[r] * rescale + sum;
-          row_max[r] = new_max;
-          if (rescale != 1.f) scale_inplace(acc.data() + r * D, rescale, D);
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const float* vr = vc + (slots[j0 + j] * Hkv + h) * D;
+        for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
+          const float* qh = qbuf.data() + hh * R * D;
+          float* acch = acc.data() + hh * R * D;
+          for_row_groups(R, [&](auto rn, int64_t r0) {
+            score_rows<rn>(qh + r0 * D, krows.data(), hh * D, n, D,
+                           scores.data() + r0 * kBlockKeys);
+          });
           for (int64_t r = 0; r < R; ++r) {
-            if (j0 + j < row_keys[r]) axpy(acc.data() + r * D, scores[r * kBlockKeys + j], vr, D);
+            const int64_t cnt = std::max<int64_t>(0, std::min(n, row_keys[r] - j0));
+            float* s = scores.data() + r * kBlockKeys;
+            std::fill(s + cnt, s + n, 0.f);  // keys past the row's causal end weigh nothing
+            if (cnt == 0) continue;
+            float& m = row_max[hh * R + r];
+            const float new_max = std::max(m, *std::max_element(s, s + cnt));
+            const float rescale = std::exp(m - new_max);
+            const Vec vmax(new_max);
+            Vec vsum(0.f);
+            int64_t j = 0;
+            for (; j + kLanes <= cnt; j += kLanes) {
+              const Vec p = (Vec::loadu(s + j) - vmax).exp();
+              p.store(s + j);
+              vsum = vsum + p;
+            }
+            float sum = hsum(vsum);
+            for (; j < cnt; ++j) {
+              s[j] = std::exp(s[j] - new_max);
+              sum += s[j];
+            }
+            row_sum[hh * R + r] = row_sum[hh * R + r] * rescale + sum;
+            m = new_max;
+            if (rescale != 1.f) scale_inplace(acch + r * D, rescale, D);
           }
+          for_row_groups(R, [&](auto rn, int64_t r0) {
+            accumulate_rows<rn>(scores.data() + r0 * kBlockKeys, vrows.data(), hh * D, n, D,
+                                acch + r0 * D);
+          });
         }
       }
-      for (int64_t r = 0; r < R; ++r) {
-        float* dst = op + ((tok0 + r / G) * H + h * G + r % G) * D;
-        const float inv = 1.f / row_sum[r];
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+      for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
+        const int64_t h = h_begin + hh;
+        for (int64_t r = 0; r < R; ++r) {
+          float* dst = op + ((tok0 + r / G) * H + h * G + r % G) * D;
+          const float* src = acc.data() + (hh * R + r) * D;
+          const float inv = 1.f / row_sum[hh * R + r];
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * inv;
+        }
       }
     }
   }

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.layers import WeightConversion
 
 
 class CausalLM(nn.Module, ABC):
@@ -22,8 +23,8 @@ class CausalLM(nn.Module, ABC):
         """float32 logits [N, vocab_size] of the given rows only."""
 
     @abstractmethod
-    def quantize_int8(self) -> None:
-        """Replace every linear layer's weight, and the LM head's, by an int8 copy."""
+    def convert_linear_weights(self, convert: WeightConversion) -> None:
+        """Replace every linear layer's weight, and the LM head's, by `convert` of it."""
 
     @abstractmethod
     def param_for_checkpoint_name(self, name: str) -> tuple[str, int] | None:

@@ -18,6 +18,7 @@ from radixserve.model_worker.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WeightConversion,
 )
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.models.base import CausalLM
@@ -251,11 +252,11 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_rows)
 
-    def quantize_int8(self) -> None:
+    def convert_linear_weights(self, convert: WeightConversion) -> None:
         for module in self.modules():
             if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                module.quantize_int8()
-        self.lm_head.quantize_int8()
+                module.convert_weight(convert)
+        self.lm_head.convert_head_weight(convert)
 
     def param_for_checkpoint_name(self, name: str) -> tuple[str, int] | None:
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
