@@ -9,6 +9,13 @@ import pytest
 import torch
 
 
+def pytest_report_header() -> str:
+    """Which tree's radixserve the tests import (tests/replay_issue13.py checks it)."""
+    import radixserve
+
+    return f"radixserve: {Path(radixserve.__file__).parent}"
+
+
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """Where the in-process model tests run: the CPU, or `RADIXSERVE_TEST_DEVICE=cuda` on a GPU

@@ -1,6 +1,7 @@
-"""Who may use the server, and how much: --api-key, --max-request-bytes, --max-queued-requests, the
-public-bind warning, and no pickle anywhere. Each on the process that enforces it, over its real
-sockets, with the tiny model (tm_harness.py plays the scheduler for the tokenizer manager)."""
+"""Who may use the server, and how much: --api-key, --max-queued-requests, the public-bind warning,
+and no pickle anywhere (--max-request-bytes: test_tokenizer_manager.py). Each on the process that
+enforces it, over its real sockets, with the tiny model (tm_harness.py plays the scheduler for the
+tokenizer manager)."""
 
 from __future__ import annotations
 
@@ -71,34 +72,6 @@ def test_without_the_key_nothing_reaches_the_scheduler(tiny_served_model):
         assert isinstance(await h.to_scheduler(), HealthReq)
 
     asyncio.run(_with_manager(tiny_served_model, scenario, api_key=KEY))
-
-
-def peak_rss_mb() -> float:
-    status = Path("/proc/self/status").read_text()
-    return int(status.split("VmHWM:")[1].split()[0]) / 1024
-
-
-def test_a_frame_over_the_size_limit_is_never_held(tiny_served_model):
-    """ZMQ's MAXMSGSIZE drops the connection at the frame's header: 64 MiB never reach memory."""
-    payload = b"\0" * (64 << 20)  # the sender's copy, counted before the measure
-
-    def send_and_wait(address: str) -> None:
-        with zmq.Context() as ctx:
-            sock = ctx.socket(zmq.DEALER)
-            sock.connect(address)
-            sock.send(payload, copy=False)
-            sock.close(linger=30_000)  # the context ends once it is sent, or dropped
-
-    async def scenario(h: Harness) -> None:
-        before = peak_rss_mb()
-        await asyncio.to_thread(send_and_wait, h.address)
-        other = h.client()
-        await send(other, type="health")  # and the manager goes on
-        assert isinstance(await h.to_scheduler(), HealthReq)
-        await asyncio.sleep(0.2)
-        assert peak_rss_mb() - before < 16
-
-    asyncio.run(_with_manager(tiny_served_model, scenario, max_request_bytes=1 << 20))
 
 
 async def _with_manager(model_dir: Path, scenario: Any, **overrides: Any) -> None:
