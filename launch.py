@@ -26,7 +26,12 @@ from typing import Any
 import msgspec
 
 from radixserve.model_worker.model_source import ModelNotFound, resolve_model_path
-from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat, free_port
+from radixserve.process_setup import (
+    HEARTBEAT_INTERVAL_S,
+    Heartbeat,
+    bound_onednn_caches,
+    free_port,
+)
 from radixserve.protocol.internal import ProcessReady
 from radixserve.protocol.wire import MAX_API_KEY_CHARS
 from radixserve.server_args import RankPlacement, ServerArgs, parse_server_args
@@ -269,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%s received; shutting down", sig)
         return 0
     _warn_if_reachable(args)
+    bound_onednn_caches()
     server = Server(args, model_path)
     logger.info("IPC directory %s", server.ipc_dir)
     try:
