@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_key is not None and not 0 < len(args.api_key) <= MAX_API_KEY_CHARS:
         logger.error("--api-key must have 1 to %d characters", MAX_API_KEY_CHARS)
         return 2
+    if args.enable_overlap_schedule and args.disable_overlap_schedule:
+        logger.error("--enable-overlap-schedule and --disable-overlap-schedule contradict")
+        return 2
     mistake = check_parallel_args(args)
     if mistake is not None:
         logger.error("%s", mistake)

@@ -41,6 +41,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of TP rank 0; default: a free local port
+    enable_overlap_schedule: bool = False  # default: on with a GPU, off on the CPU
     disable_overlap_schedule: bool = False
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
@@ -126,9 +127,11 @@ _HELP = {
     "cpu_attn where it applies and builds, else torch_native",
     "quantization": "int8: int8 weights and per-token int8 activations (w8a8) for every linear "
     "layer and the LM head, on the CPU (default: none)",
+    "enable_overlap_schedule": "overlap on the CPU too: plan step N+1 (and process step N-1) "
+    "while step N runs on a worker thread. With a GPU it is on unless disabled; on the CPU, "
+    "where the forward's threads take every core, off unless asked for",
     "disable_overlap_schedule": "run each step's forward on the scheduler's thread and process "
-    "its result before planning the next, instead of planning step N+1 (and processing step "
-    "N-1) while step N runs on a worker thread",
+    "its result before planning the next (the default on the CPU)",
     "log_interval": "decode steps between two throughput log lines",
     "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
     "max_queued_requests": "requests that may wait for admission; past it, new ones get an "

@@ -23,7 +23,7 @@ from radixserve.client import AsyncClient
 from radixserve.client.local_server import launched_server
 from radixserve.model_worker.model_source import resolve_model_path
 
-MODES = {"overlap": [], "no overlap": ["--disable-overlap-schedule"]}
+MODES = {"overlap": ["--enable-overlap-schedule"], "no overlap": ["--disable-overlap-schedule"]}
 
 
 async def greedy_outputs(address: str, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -64,7 +64,7 @@ def abort_one(s: Scheduler, aborted: dict[str, str], exclude: set[str]) -> None:
 
 
 def test_every_path_that_ends_a_request_frees_the_detokenizer_state(tokenizer):
-    """With overlap scheduling (the server's default), every way a request ends: by length;
+    """With overlap scheduling (the default with a GPU), every way a request ends: by length;
     by a stop string (the detokenizer's StopReq, outputs coming between the match and the
     final); aborted while running, while waiting, and while waiting after a retraction with
     outputs sent; max_new_tokens 0; non-streamed, its first output its final; completions

@@ -69,6 +69,12 @@ def test_an_unreachable_hub_id_suggests_the_installed_hub_command():
     assert "`hf download no-such-org/no-such-model`" in out.stderr
 
 
+def test_overlap_flags_that_contradict_each_other_are_refused():
+    out = launch("--enable-overlap-schedule", "--disable-overlap-schedule")
+    assert out.returncode == 2
+    assert "contradict" in out.stderr
+
+
 def test_ctrl_c_while_starting_stops_everything_without_a_traceback():
     port = free_port()
     with tempfile.NamedTemporaryFile(prefix="radixserve-test-", suffix=".log") as log:

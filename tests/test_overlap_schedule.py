@@ -19,8 +19,10 @@ from radixserve.client.local_server import launched_server
 from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.future_map import FutureMap
 from radixserve.model_worker.penalties import apply_penalties
+from radixserve.scheduler.process import overlap_schedule
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
+from radixserve.server_args import ServerArgs
 
 
 def run_mixed_workload(enable_overlap: bool) -> tuple[Scheduler, dict[str, list[int]], int]:
@@ -98,6 +100,14 @@ def test_overlap_costs_one_step_after_a_stop_token_and_none_after_the_length(ove
         assert s.kv.available == s.config.max_total_tokens
 
 
+def test_overlap_is_on_with_a_gpu_and_off_on_the_cpu_unless_the_flags_say() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert not overlap_schedule(ServerArgs(), cpu)
+    assert overlap_schedule(ServerArgs(), gpu)
+    assert overlap_schedule(ServerArgs(enable_overlap_schedule=True), cpu)
+    assert not overlap_schedule(ServerArgs(disable_overlap_schedule=True), gpu)
+
+
 def test_a_placeholder_in_the_seen_tokens_penalises_like_the_real_token() -> None:
     """A penalised decode's last output is in flight when its next step is planned: its seen
     tokens carry the placeholder, which the worker resolves, merging it with an equal token."""
@@ -164,7 +174,7 @@ SERVER_ARGS += ("--max-prefill-tokens", "96", "--check-invariants")
 def servers(tiny_served_model):
     model = str(tiny_served_model)
     with (
-        launched_server("--model", model, *SERVER_ARGS) as overlap,
+        launched_server("--model", model, "--enable-overlap-schedule", *SERVER_ARGS) as overlap,
         launched_server("--model", model, "--disable-overlap-schedule", *SERVER_ARGS) as off,
     ):
         yield {"overlap": overlap, "off": off}
