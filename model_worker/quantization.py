@@ -1,51 +1,65 @@
 """`--quantization int8`: int8 weights, activations quantized per token at run time (w8a8 int8,
-as SGLang's and vLLM's `w8a8_int8`), through fbgemm's int8 GEMM in torch.
+as SGLang's and vLLM's `w8a8_int8`), with exact int32 dot products.
 
-Weights are quantized once after loading, symmetrically per output channel. fbgemm's dynamic
-linear quantizes its input with one scale for the whole tensor, from the tensor's min and max.
-Each row is divided by its own max |x| (its scale multiplied back into the output), and a guard
-row holding +1 and -1 pins the tensor's range to [-1, 1]: every token is then quantized on its
-own range alone, and its result does not depend on what else is in the batch.
+Weights are quantized once after loading, symmetrically per output channel; each token's
+activations symmetrically on its own max |x|, with 8 bits, so a token's result does not depend
+on what else is in the batch. The CPU extension quantizes the activations and rescales the
+products. The products run in its `int8_linear` (each weight byte read once per block of 8
+rows), or, for more rows on CPUs with VNNI or AMX, in oneDNN through `torch._int_mm`. Without
+VNNI oneDNN's u8 x s8 pair sums saturate (measured: inexact on random int8 data), so there the
+extension's kernel takes every batch size. Both round the same way: the path does not change
+a result.
 """
 
 from __future__ import annotations
 
-import warnings
+import functools
+import os
+from pathlib import Path
 
 import torch
 
+from radixserve.model_worker.cpu_kernels import KernelBuildError, load_cpu_kernels
+
 QUANTIZATION_METHODS = ("int8",)
+
+# Rows from which oneDNN's int8 matmul beats int8_linear here (see benchmarks/RESULTS.md).
+INT8_GEMM_MIN_ROWS = 9
+
+
+@functools.cache
+def onednn_int8_is_exact() -> bool:
+    """Whether oneDNN's int8 matmul sums without saturating: on CPUs with VNNI or AMX."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        return False  # oneDNN may be held below what the CPU has
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 class Int8Weight:
-    """A linear layer's weight [N, K], int8 per output channel, packed for fbgemm."""
+    """A linear layer's weight [N, K]: int8, one scale per output channel."""
 
     def __init__(self, weight: torch.Tensor):
         if weight.device.type != "cpu":
-            raise ValueError("--quantization int8 runs on the CPU only (fbgemm)")
+            raise ValueError("--quantization int8 runs on the CPU only")
+        load_cpu_kernels()  # its ops quantize, multiply and rescale
         weight = weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch marks quantized tensors as deprecated
-            q = torch.quantize_per_channel(weight, scale.double(), zero_points, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(q, None)
+        self.scale = (weight.abs().amax(dim=1) / 127).contiguous()
+        inverse = torch.where(self.scale > 0, 1 / self.scale, 0)  # an all-zero row stays zero
+        self.q = torch.round(weight * inverse[:, None]).to(torch.int8).contiguous()
         self.shape = tuple(weight.shape)
-        self.nbytes = weight.numel() + 4 * weight.shape[0]
+        self.nbytes = self.q.numel() + 4 * self.scale.numel()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] float32 -> x W^T + bias [M, N]."""
-        row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
-        rows = torch.empty(x.shape[0] + 1, x.shape[1], dtype=torch.float32)
-        torch.div(x, row_scale, out=rows[1:])
-        rows[0].zero_()
-        rows[0, 0], rows[0, 1] = 1.0, -1.0
-        # reduce_range: 7-bit activations, so that AVX2's u8 x s8 pair sums cannot saturate.
-        # (Full 8 bits measured: more accurate on SmolLM2's activations, but up to 3x the error
-        # on Gaussian ones, where the saturation shows; see benchmarks/RESULTS.md.)
-        y = torch.ops.quantized.linear_dynamic(rows, self.packed, True)[1:]
-        y.mul_(row_scale)
-        return y if bias is None else y.add_(bias)
+        """x [M, K] float32 -> x W^T + bias [M, N] float32."""
+        ops = torch.ops.radixserve
+        xq, x_scale = ops.quantize_rows_int8(x)
+        if x.shape[0] < INT8_GEMM_MIN_ROWS or not onednn_int8_is_exact():
+            return ops.int8_linear(xq, x_scale, self.q, self.scale, bias)
+        return ops.dequantize_rows(torch._int_mm(xq, self.q.t()), x_scale, self.scale, bias)
 
 
 def check_quantization(method: str | None, device: torch.device) -> None:
@@ -55,4 +69,8 @@ def check_quantization(method: str | None, device: torch.device) -> None:
         known = ", ".join(QUANTIZATION_METHODS)
         raise ValueError(f"unknown quantization {method!r}; known: {known}")
     if device.type != "cpu":
-        raise ValueError("--quantization int8 runs on the CPU only (fbgemm)")
+        raise ValueError("--quantization int8 runs on the CPU only")
+    try:
+        load_cpu_kernels()
+    except KernelBuildError as e:
+        raise ValueError(f"--quantization int8 needs the CPU extension, which failed: {e}") from e

@@ -1,4 +1,5 @@
-"""--quantization int8: w8a8 linear layers through fbgemm, per-token activation scales."""
+"""--quantization int8: w8a8 linear layers, per-token activation scales, exact int32 products
+(the CPU extension's int8_linear, and oneDNN's through torch._int_mm where it is exact)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,18 @@ import pytest
 import torch
 from test_cpu_kernels import _one_prompt_batch
 
+from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.layers import ColumnParallelLinear, RowParallelLinear
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.parallel import TPGroup
-from radixserve.model_worker.quantization import Int8Weight
+from radixserve.model_worker.quantization import (
+    INT8_GEMM_MIN_ROWS,
+    Int8Weight,
+    onednn_int8_is_exact,
+)
+
+load_cpu_kernels()  # cached after the first build
+ops = torch.ops.radixserve
 
 
 def test_int8_matmul_is_close_to_float() -> None:
@@ -34,6 +43,46 @@ def test_a_token_is_quantized_on_its_own_range() -> None:
     alone = weight.matmul(x, None)
     batched = weight.matmul(torch.cat([outlier, x, outlier]), None)
     assert torch.equal(batched[1], alone[0])
+
+
+def test_activations_round_to_nearest_even_on_each_rows_own_scale() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 200, generator=gen) * torch.tensor([1e-3, 1.0, 50.0, 1.0, 0.0, 7.0])[:, None]
+    x[3, :5] = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5])  # row 3: scale 1, so these are ties
+    q, scale = ops.quantize_rows_int8(x)
+    expected_scale = x.abs().amax(dim=1) / 127
+    assert torch.equal(scale, expected_scale)
+    inverse = torch.where(expected_scale > 0, 1 / expected_scale, 0)
+    assert torch.equal(q, torch.round(x * inverse[:, None]).to(torch.int8))
+    assert q[3, :5].tolist() == [127, 0, 0, 2, -2]
+    assert not q[4].any()  # an all-zero row
+
+
+def test_int8_products_are_exact_at_the_extremes() -> None:
+    """127 * 127 pairs overflow a 16-bit pair sum (where AVX2 saturates) unless the kernel
+    keeps them below 2^15: the sums must come out exact, and both paths agree bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    K = 1536
+    signs = torch.randint(0, 2, (3, 16, K), generator=gen) * 2 - 1
+    x = (signs[0] * 127).float()  # rows of +-127: each row's scale is exactly 1
+    weight = Int8Weight(signs[1] * 3.0)
+    weight.q = (signs[1] * 127).to(torch.int8)
+    weight.scale = torch.ones(16)
+    expected = (x.long() @ weight.q.long().T).float()
+    for rows in (1, 8, 16):
+        assert torch.equal(weight.matmul(x[:rows], None), expected[:rows])
+    if onednn_int8_is_exact():
+        assert INT8_GEMM_MIN_ROWS <= 16  # the 16 rows above went through oneDNN
+
+
+def test_a_rows_result_does_not_depend_on_its_batch() -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = Int8Weight(torch.randn(300, 128, generator=gen))
+    bias = torch.randn(300, generator=gen)
+    x = torch.randn(40, 128, generator=gen)
+    batched = weight.matmul(x, bias)
+    for row in (0, 17, 39):
+        assert torch.equal(weight.matmul(x[row : row + 1], bias)[0], batched[row])
 
 
 def test_int8_model_quantizes_every_linear_and_the_head(tiny_model) -> None:

@@ -3,9 +3,11 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
+
 namespace radixserve {
 
-constexpr int64_t kMaxSmallM = 8;  // rows linear_small_m takes
+constexpr int64_t kMaxSmallM = 8;  // rows linear_small_m takes; int8_linear's row blocks
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor& k_cache, at::Tensor& v_cache,
@@ -18,5 +20,10 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& x_scale, const at::Tensor& weight,
+                       const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
+at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
+                           const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
 
 }  // namespace radixserve

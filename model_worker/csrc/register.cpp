@@ -13,6 +13,11 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def(
+      "int8_linear(Tensor x, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias) -> "
+      "Tensor");
+  m.def("dequantize_rows(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
@@ -22,4 +27,7 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("rotary_embedding", &radixserve::rotary_embedding);
   m.impl("silu_and_mul", &radixserve::silu_and_mul);
   m.impl("linear_small_m", &radixserve::linear_small_m);
+  m.impl("quantize_rows_int8", &radixserve::quantize_rows_int8);
+  m.impl("int8_linear", &radixserve::int8_linear);
+  m.impl("dequantize_rows", &radixserve::dequantize_rows);
 }

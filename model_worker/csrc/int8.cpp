@@ -1,0 +1,193 @@
+// w8a8 int8 linear layers: activations quantized per token (symmetric, 8 bits), int8 weights per
+// output channel, exact int32 dot products: either in int8_linear here (each weight byte read
+// once per block of 8 rows), or in torch._int_mm (oneDNN) with dequantize_rows rescaling them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+#include "ops.h"
+#include "vec_utils.h"
+
+namespace radixserve {
+namespace {
+
+#if defined(__AVX2__)
+// sum_k a_k * b_k over 32 int8 pairs, added to acc's int32 lanes. |a| goes in as unsigned and
+// its sign moves onto b, so each pair of products is at most 2 * 127 * 127 < 2^15: AVX2's
+// saturating u8 x s8 pair sums never saturate, and VNNI (where present) sums the same way.
+inline __m256i dot_accumulate(__m256i acc, __m256i a, __m256i b) {
+  const __m256i a_abs = _mm256_sign_epi8(a, a);
+  const __m256i b_signed = _mm256_sign_epi8(b, a);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, a_abs, b_signed);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, a_abs, b_signed);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(a_abs, b_signed);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+constexpr int64_t kInt8Lanes = 32;
+#endif
+
+// acc[m] = x_m . w over K int8 values, for M rows of x (row stride K).
+template <int M>
+void dot_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  int64_t k = 0;
+#if defined(__AVX2__)
+  __m256i a[M];
+  for (int m = 0; m < M; ++m) a[m] = _mm256_setzero_si256();
+  for (; k + kInt8Lanes <= K; k += kInt8Lanes) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+    for (int m = 0; m < M; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k));
+      a[m] = dot_accumulate(a[m], xv, wv);
+    }
+  }
+  for (int m = 0; m < M; ++m) acc[m] = hsum_epi32(a[m]);
+#else
+  for (int m = 0; m < M; ++m) acc[m] = 0;
+#endif
+  for (; k < K; ++k) {
+    for (int m = 0; m < M; ++m) acc[m] += int32_t{x[m * K + k]} * int32_t{w[k]};
+  }
+}
+
+// One output of x W^T + b from its exact int32 dot product; both paths (int8_linear_small_m and
+// torch._int_mm + dequantize_rows) round it the same way, so a row's result does not depend on
+// the batch it came in.
+inline float rescale(int32_t acc, float x_scale, float w_scale, float bias) {
+  return std::fma(static_cast<float>(acc), x_scale * w_scale, bias);
+}
+
+template <int M>
+void int8_linear_m(const int8_t* x, const float* x_scale, const int8_t* w, const float* w_scale,
+                   const float* bias, float* y, int64_t K, int64_t N) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    int32_t acc[M];
+    for (int64_t n = begin; n < end; ++n) {
+      dot_rows<M>(x, w + n * K, K, acc);
+      const float b = bias == nullptr ? 0.f : bias[n];
+      for (int m = 0; m < M; ++m) y[m * N + n] = rescale(acc[m], x_scale[m], w_scale[n], b);
+    }
+  });
+}
+
+const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+              op, ": bias must be contiguous float32 [N]");
+  return bias->data_ptr<float>();
+}
+
+void check_scales(const at::Tensor& x_scale, int64_t M, const at::Tensor& w_scale, int64_t N,
+                  const char* op) {
+  TORCH_CHECK(x_scale.scalar_type() == at::kFloat && x_scale.is_contiguous() &&
+                  x_scale.numel() == M && w_scale.scalar_type() == at::kFloat &&
+                  w_scale.is_contiguous() && w_scale.numel() == N,
+              op, ": scales must be contiguous float32 [M] and [N]");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "quantize_rows_int8: float32 x [M, K] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({M}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = xp + m * x.stride(0);
+      int8_t* out = qp + m * K;
+      Vec vmax(0.f);
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes) vmax = at::vec::maximum(vmax, Vec::loadu(row + k).abs());
+      float absmax = at::vec::vec_reduce_all<float>(
+          [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+      for (; k < K; ++k) absmax = std::max(absmax, std::abs(row[k]));
+      // An all-zero row keeps scale 0 and quantizes to zeros.
+      sp[m] = absmax / 127.f;
+      const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
+      const Vec vinv(inv);
+      float rounded[kLanes];  // to nearest, ties to even, as torch.round
+      for (k = 0; k + kLanes <= K; k += kLanes) {
+        (Vec::loadu(row + k) * vinv).round().store(rounded);
+        for (int64_t i = 0; i < kLanes; ++i) out[k + i] = static_cast<int8_t>(rounded[i]);
+      }
+      for (; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
+    }
+  });
+  return {q, scale};
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& x_scale, const at::Tensor& weight,
+                       const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kChar && x.is_contiguous() &&
+                  weight.dim() == 2 && weight.scalar_type() == at::kChar &&
+                  weight.is_contiguous() && x.size(1) == weight.size(1),
+              "int8_linear: contiguous int8 x [M, K] and weight [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  check_scales(x_scale, M, w_scale, N, "int8_linear");
+  const float* bp = bias_data(bias, N, "int8_linear");
+  at::Tensor y = at::empty({M, N}, x_scale.options());
+  const int8_t* wp = weight.data_ptr<int8_t>();
+  const float* ws = w_scale.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxSmallM) {
+    const int8_t* xp = x.data_ptr<int8_t>() + m0 * K;
+    const float* xs = x_scale.data_ptr<float>() + m0;
+    float* yp = y.data_ptr<float>() + m0 * N;
+    switch (std::min(kMaxSmallM, M - m0)) {
+      case 1: int8_linear_m<1>(xp, xs, wp, ws, bp, yp, K, N); break;
+      case 2: int8_linear_m<2>(xp, xs, wp, ws, bp, yp, K, N); break;
+      case 3: int8_linear_m<3>(xp, xs, wp, ws, bp, yp, K, N); break;
+      case 4: int8_linear_m<4>(xp, xs, wp, ws, bp, yp, K, N); break;
+      case 5: int8_linear_m<5>(xp, xs, wp, ws, bp, yp, K, N); break;
+      case 6: int8_linear_m<6>(xp, xs, wp, ws, bp, yp, K, N); break;
+      case 7: int8_linear_m<7>(xp, xs, wp, ws, bp, yp, K, N); break;
+      default: int8_linear_m<8>(xp, xs, wp, ws, bp, yp, K, N); break;
+    }
+  }
+  return y;
+}
+
+at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
+                           const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(acc.dim() == 2 && acc.scalar_type() == at::kInt && acc.is_contiguous(),
+              "dequantize_rows: contiguous int32 acc [M, N]");
+  const int64_t M = acc.size(0), N = acc.size(1);
+  check_scales(x_scale, M, w_scale, N, "dequantize_rows");
+  const float* bp = bias_data(bias, N, "dequantize_rows");
+  at::Tensor y = at::empty({M, N}, x_scale.options());
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* xs = x_scale.data_ptr<float>();
+  const float* ws = w_scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t n = 0; n < N; ++n) {
+        yp[m * N + n] = rescale(ap[m * N + n], xs[m], ws[n], bp == nullptr ? 0.f : bp[n]);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace radixserve
