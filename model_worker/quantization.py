@@ -56,9 +56,9 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 -> x W^T + bias [M, N] float32."""
         ops = torch.ops.radixserve
-        xq, x_scale = ops.quantize_rows_int8(x)
         if x.shape[0] < INT8_GEMM_MIN_ROWS or not onednn_int8_is_exact():
-            return ops.int8_linear(xq, x_scale, self.q, self.scale, bias)
+            return ops.int8_linear(x, self.q, self.scale, bias)
+        xq, x_scale = ops.quantize_rows_int8(x)
         return ops.dequantize_rows(torch._int_mm(xq, self.q.t()), x_scale, self.scale, bias)
 
 

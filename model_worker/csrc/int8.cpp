@@ -1,6 +1,7 @@
 // w8a8 int8 linear layers: activations quantized per token (symmetric, 8 bits), int8 weights per
-// output channel, exact int32 dot products: either in int8_linear here (each weight byte read
-// once per block of 8 rows), or in torch._int_mm (oneDNN) with dequantize_rows rescaling them.
+// output channel, exact int32 dot products: either in int8_linear here (float rows in, each
+// weight byte read once per block of 8 rows), or in torch._int_mm (oneDNN) between
+// quantize_rows_int8 and dequantize_rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -18,16 +19,38 @@
 namespace radixserve {
 namespace {
 
-#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// acc[m] = x_m . w over the first multiple of 64 of K; returns how far it went. 64 pairs a
+// step: x made unsigned (x + 128, by flipping its sign bit) times w, less 128 * sum(w), which one
+// more dpbusd against ones gives; every sum stays far inside int32.
+template <int M>
+int64_t dot_rows_simd(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i a[M];
+  for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_si512();
+  __m512i w_sum = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512i wv = _mm512_loadu_si512(w + k);
+    w_sum = _mm512_dpbusd_epi32(w_sum, ones, wv);
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_xor_si512(_mm512_loadu_si512(x + m * K + k), flip);
+      a[m] = _mm512_dpbusd_epi32(a[m], xv, wv);
+    }
+  }
+  const int32_t shift = 128 * _mm512_reduce_add_epi32(w_sum);
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_reduce_add_epi32(a[m]) - shift;
+  return k;
+}
+#elif defined(__AVX2__)
 // sum_k a_k * b_k over 32 int8 pairs, added to acc's int32 lanes. |a| goes in as unsigned and
 // its sign moves onto b, so each pair of products is at most 2 * 127 * 127 < 2^15: AVX2's
-// saturating u8 x s8 pair sums never saturate, and VNNI (where present) sums the same way.
+// saturating u8 x s8 pair sums never saturate, and AVX-VNNI (where present) sums the same way.
 inline __m256i dot_accumulate(__m256i acc, __m256i a, __m256i b) {
   const __m256i a_abs = _mm256_sign_epi8(a, a);
   const __m256i b_signed = _mm256_sign_epi8(b, a);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, a_abs, b_signed);
-#elif defined(__AVXVNNI__)
+#if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, a_abs, b_signed);
 #else
   const __m256i pairs = _mm256_maddubs_epi16(a_abs, b_signed);
@@ -41,17 +64,14 @@ inline int32_t hsum_epi32(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtsi128_si32(s);
 }
-constexpr int64_t kInt8Lanes = 32;
-#endif
 
-// acc[m] = x_m . w over K int8 values, for M rows of x (row stride K).
+// acc[m] = x_m . w over the first multiple of 32 of K; returns how far it went.
 template <int M>
-void dot_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
-  int64_t k = 0;
-#if defined(__AVX2__)
+int64_t dot_rows_simd(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
   __m256i a[M];
   for (int m = 0; m < M; ++m) a[m] = _mm256_setzero_si256();
-  for (; k + kInt8Lanes <= K; k += kInt8Lanes) {
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
     for (int m = 0; m < M; ++m) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K + k));
@@ -59,15 +79,25 @@ void dot_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
     }
   }
   for (int m = 0; m < M; ++m) acc[m] = hsum_epi32(a[m]);
+  return k;
+}
 #else
+template <int M>
+int64_t dot_rows_simd(const int8_t*, const int8_t*, int64_t, int32_t* acc) {
   for (int m = 0; m < M; ++m) acc[m] = 0;
+  return 0;
+}
 #endif
-  for (; k < K; ++k) {
+
+// acc[m] = x_m . w over K int8 values, for M rows of x (row stride K).
+template <int M>
+void dot_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
+  for (int64_t k = dot_rows_simd<M>(x, w, K, acc); k < K; ++k) {
     for (int m = 0; m < M; ++m) acc[m] += int32_t{x[m * K + k]} * int32_t{w[k]};
   }
 }
 
-// One output of x W^T + b from its exact int32 dot product; both paths (int8_linear_small_m and
+// One output of x W^T + b from its exact int32 dot product; both paths (int8_linear and
 // torch._int_mm + dequantize_rows) round it the same way, so a row's result does not depend on
 // the batch it came in.
 inline float rescale(int32_t acc, float x_scale, float w_scale, float bias) {
@@ -138,12 +168,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   return {q, scale};
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& x_scale, const at::Tensor& weight,
-                       const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kChar && x.is_contiguous() &&
-                  weight.dim() == 2 && weight.scalar_type() == at::kChar &&
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar &&
                   weight.is_contiguous() && x.size(1) == weight.size(1),
-              "int8_linear: contiguous int8 x [M, K] and weight [N, K]");
+              "int8_linear: x [M, K] and contiguous int8 weight [N, K]");
+  // Quantized here rather than by a separate op: at one row the call itself is what costs.
+  const auto [xq, x_scale] = quantize_rows_int8(x);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   check_scales(x_scale, M, w_scale, N, "int8_linear");
   const float* bp = bias_data(bias, N, "int8_linear");
@@ -151,7 +182,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& x_scale, const at:
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* ws = w_scale.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += kMaxSmallM) {
-    const int8_t* xp = x.data_ptr<int8_t>() + m0 * K;
+    const int8_t* xp = xq.data_ptr<int8_t>() + m0 * K;
     const float* xs = x_scale.data_ptr<float>() + m0;
     float* yp = y.data_ptr<float>() + m0 * N;
     switch (std::min(kMaxSmallM, M - m0)) {

@@ -21,8 +21,8 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& x_scale, const at::Tensor& weight,
-                       const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
+                       const c10::optional<at::Tensor>& bias);
 at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
                            const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
 

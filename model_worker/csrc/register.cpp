@@ -14,9 +14,7 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
-  m.def(
-      "int8_linear(Tensor x, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias) -> "
-      "Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) -> Tensor");
   m.def("dequantize_rows(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor");
 }
 
