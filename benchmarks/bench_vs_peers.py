@@ -1,6 +1,7 @@
 """radixserve against vLLM's OpenAI server on the same model directory, taking turns.
 
     python benchmarks/bench_vs_peers.py [--rounds 2] [--server-args "--quantization int8"]
+        [--dtype float32]   (both engines; radixserve's --dtype auto would pick bf16 on AMX)
         [--vllm-python /work/peers/vllm/bin/python]   (or RADIXSERVE_VLLM_PYTHON)
 
 Both servers are started once and warmed up; then, round after round, each gets the same
@@ -171,11 +172,11 @@ async def one_at_a_time(send: Send, prompts: list[list[int]], new: int, engine: 
 
 
 @contextmanager
-def vllm_server(python: str, model_dir: str, timeout: float) -> Iterator[int]:
+def vllm_server(python: str, model_dir: str, dtype: str, timeout: float) -> Iterator[int]:
     port = free_port()
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_dir, "--dtype", "float32", "--max-model-len", "1024",
+        "--model", model_dir, "--dtype", dtype, "--max-model-len", "1024",
         "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
         "--no-enable-prefix-caching", "--port", str(port),
     ]  # fmt: skip
@@ -257,6 +258,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="both engines' --dtype")
     parser.add_argument("--server-args", default="", help="extra radixserve flags, one string")
     parser.add_argument(
         "--vllm-python",
@@ -276,7 +278,8 @@ def main() -> None:
     have_vllm = Path(args.vllm_python).is_file()
     if not have_vllm:
         print(f"no vLLM at {args.vllm_python}: radixserve alone", file=sys.stderr)
-    ours_flags = ["--model", model_dir, "--disable-radix-cache", *args.server_args.split()]
+    ours_flags = ["--model", model_dir, "--disable-radix-cache", "--dtype", args.dtype]
+    ours_flags += args.server_args.split()
     results: dict[str, dict[str, list[Run]]] = {"concurrent": {}, "latency": {}}
     with launched_server(*ours_flags) as ours, _maybe(have_vllm, args, model_dir) as vllm_port:
 
@@ -298,7 +301,8 @@ def main() -> None:
                         results["latency"].setdefault(engine, []).append(run)
 
         asyncio.run(rounds())
-    print(f"\nserver args: {args.server_args or '(defaults)'}; {args.rounds} rounds")
+    print(f"\n--dtype {args.dtype}, server args: {args.server_args or '(defaults)'}; ", end="")
+    print(f"{args.rounds} rounds")
     print_workload(
         f"{args.num_requests} requests at once, {args.input_len}-token prompts, {new} new tokens",
         results["concurrent"],
@@ -316,7 +320,7 @@ def _maybe(have_vllm: bool, args: argparse.Namespace, model_dir: str) -> Iterato
     if not have_vllm:
         yield None
         return
-    with vllm_server(args.vllm_python, model_dir, args.vllm_start_timeout) as port:
+    with vllm_server(args.vllm_python, model_dir, args.dtype, args.vllm_start_timeout) as port:
         yield port
 
 
