@@ -206,9 +206,12 @@ def test_readme_client_lines_system_n_stop_logprobs(server, client):
     text, header, *rows = out.splitlines()
     assert text == stopped.text and header.split() == ["token_id", "logprob", "top_logprobs"]
     expected = stopped.meta_info.output_token_logprobs
-    assert [(int(r.split()[0]), float(r.split()[1])) for r in rows] == [
-        (token_id, round(logprob, 4)) for logprob, token_id in expected
-    ]
+    assert [int(r.split()[0]) for r in rows] == [token_id for _, token_id in expected]
+    # The CLI's request computed the prompt whole, the second one from the prefix cache: in
+    # bfloat16 (--dtype auto where the CPU has native bf16) another matmul shape rounds otherwise.
+    assert [float(r.split()[1]) for r in rows] == pytest.approx(
+        [round(logprob, 4) for logprob, _ in expected], abs=0.02
+    )
 
 
 def test_readme_client_lines_interactive_keeps_the_conversation(server, client):
