@@ -2,7 +2,7 @@
 process, per configuration, at 1 and at --batch sequences.
 
     python benchmarks/profile_step.py [--batch 64 --steps 5] [--backend cpu_attn]
-                                      [--quantization int8]
+                                      [--quantization int8] [--dtype bfloat16]
 
 Prints the wall time of a step, the op categories' self CPU time (matmuls, attention and its KV
 gather, the small ops), what the ops leave unaccounted (Python and dispatch between ops), and
@@ -78,13 +78,14 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--backend", default="cpu_attn")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     keep_freed_memory()
     runner = ModelRunner(
         resolve_model_path(args.model),
-        dtype=torch.float32,
+        dtype=getattr(torch, args.dtype),
         device=torch.device("cpu"),
         max_total_tokens=args.batch * (128 + args.steps + 3) + 1,
         mem_fraction_static=0.0,
@@ -93,7 +94,10 @@ def main() -> None:
         attention_backend=args.backend,
         quantization=args.quantization,
     )
-    print(f"{args.backend}, quantization {args.quantization}, threads {torch.get_num_threads()}")
+    print(
+        f"{args.backend}, {args.dtype}, quantization {args.quantization}, "
+        f"threads {torch.get_num_threads()}"
+    )
     prompts = make_prompts(args.batch, 128, 49152)
     seqs = Seqs([list(p) for p in prompts], [0] * args.batch, 128 + args.steps + 2)
     with torch.inference_mode():

@@ -67,7 +67,7 @@ class TorchOps:
 
 
 class CpuKernelOps(TorchOps):
-    """float32 on the CPU only; the runner checks that before choosing it."""
+    """float32 or bfloat16 on the CPU only; kernel_selection checks that before choosing it."""
 
     name = "cpu_kernels"
 

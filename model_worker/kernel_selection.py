@@ -2,8 +2,9 @@
 
 - `torch_native`: eager torch everywhere (SDPA over K/V gathered from the pool); any device and
   dtype; the reference the others are tested against.
-- `cpu_attn`: the CPU extension (float32 on the CPU): paged attention that reads the pool in
-  place, fused RMSNorm/RoPE/SwiGLU, and a memory-speed linear for a few rows.
+- `cpu_attn`: the CPU extension (float32 on the CPU, and bfloat16 where the CPU has it in
+  hardware): paged attention that reads the pool in place, fused RMSNorm/RoPE/SwiGLU, and a
+  memory-speed linear for a few rows.
 - `auto`: `cpu_attn` where it applies and the extension builds (a failed build is logged, and
   the server goes on with `torch_native`), else `torch_native`.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.model_worker.attention import AttentionBackend, TorchNativeBackend
+from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.cpu_attention import CpuAttnBackend
 from radixserve.model_worker.cpu_kernels import cpu_kernels_available
 from radixserve.model_worker.fused_ops import CpuKernelOps, TorchOps
@@ -35,13 +37,21 @@ def select_kernels(
     if name not in ATTENTION_BACKENDS:
         known = ", ".join(ATTENTION_BACKENDS)
         raise ValueError(f"unknown attention backend {name!r}; known: {known}")
-    cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    why_not = _why_not_cpu_attn(device, dtype)
     if name == "auto":
-        name = "cpu_attn" if cpu_float32 and cpu_kernels_available() else "torch_native"
+        name = "cpu_attn" if why_not is None and cpu_kernels_available() else "torch_native"
     if name == "torch_native":
         return Kernels(name, TorchNativeBackend(num_heads, num_kv_heads), TorchOps())
-    if not cpu_float32:
-        raise ValueError(
-            f"--attention-backend cpu_attn runs float32 on the CPU, not {dtype} on {device}"
-        )
+    if why_not is not None:
+        raise ValueError(f"--attention-backend cpu_attn: {why_not}")
     return Kernels(name, CpuAttnBackend(num_heads, num_kv_heads), CpuKernelOps())
+
+
+def _why_not_cpu_attn(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"it runs on the CPU, not on {device}"
+    if dtype == torch.bfloat16 and not has_native_bf16():
+        return "this CPU has no bfloat16 in hardware (AVX512-BF16 or AMX): use float32"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"it runs float32 or bfloat16, not {dtype}"
+    return None

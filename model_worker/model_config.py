@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from radixserve.model_worker.cpu_features import has_native_bf16
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -134,17 +136,8 @@ def resolve_dtype(
         return _DTYPES[arg]
     if device.type == "cpu":
         # Without native bf16, a bf16 [64x576]x[576x1536] matmul took 5.9 ms vs 0.86 ms in fp32.
-        return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if has_native_bf16() else torch.float32
     # GPUs serve half precision; float32 checkpoints too, as SGLang and vLLM do.
     if checkpoint_dtype in (torch.bfloat16, torch.float16):
         return checkpoint_dtype
     return torch.bfloat16
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = set(cpuinfo.split())
-    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -44,7 +44,7 @@ class ModelRunner:
         self.tp = tp
         _, num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
         _, num_kv_heads = tp.shard_heads(config.num_key_value_heads, "num_key_value_heads")
-        check_quantization(quantization, device)
+        check_quantization(quantization, device, dtype)
         kernels = select_kernels(attention_backend, num_heads, num_kv_heads, device, dtype)
         self.attention_backend = kernels.name
         self.attn_backend = kernels.attn_backend

@@ -13,12 +13,11 @@ a result.
 
 from __future__ import annotations
 
-import functools
 import os
-from pathlib import Path
 
 import torch
 
+from radixserve.model_worker.cpu_features import has_int8_dot_products
 from radixserve.model_worker.cpu_kernels import KernelBuildError, load_cpu_kernels
 
 QUANTIZATION_METHODS = ("int8",)
@@ -27,16 +26,11 @@ QUANTIZATION_METHODS = ("int8",)
 INT8_GEMM_MIN_ROWS = 9
 
 
-@functools.cache
 def onednn_int8_is_exact() -> bool:
     """Whether oneDNN's int8 matmul sums without saturating: on CPUs with VNNI or AMX."""
     if os.environ.get("ONEDNN_MAX_CPU_ISA"):
         return False  # oneDNN may be held below what the CPU has
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    return has_int8_dot_products()
 
 
 class Int8Weight:
@@ -62,7 +56,7 @@ class Int8Weight:
         return ops.dequantize_rows(torch._int_mm(xq, self.q.t()), x_scale, self.scale, bias)
 
 
-def check_quantization(method: str | None, device: torch.device) -> None:
+def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
     if method is None:
         return
     if method not in QUANTIZATION_METHODS:
@@ -70,6 +64,8 @@ def check_quantization(method: str | None, device: torch.device) -> None:
         raise ValueError(f"unknown quantization {method!r}; known: {known}")
     if device.type != "cpu":
         raise ValueError("--quantization int8 runs on the CPU only")
+    if dtype != torch.float32:
+        raise ValueError(f"--quantization int8 runs with --dtype float32, not {dtype}")
     try:
         load_cpu_kernels()
     except KernelBuildError as e:

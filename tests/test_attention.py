@@ -45,7 +45,8 @@ def make_batch(
         kv_slots[i, : p + e] = torch.tensor([free.pop() for _ in range(p + e)])
         cached_k.append(torch.randn(p, num_kv_heads, head_dim, generator=gen))
         cached_v.append(torch.randn(p, num_kv_heads, head_dim, generator=gen))
-        pool.set_kv(0, kv_slots[i, :p].to(device), cached_k[-1].to(device), cached_v[-1].to(device))
+        kv = {"device": device, "dtype": pool.k_buffers[0].dtype}
+        pool.set_kv(0, kv_slots[i, :p].to(device), cached_k[-1].to(**kv), cached_v[-1].to(**kv))
     num_tokens = int(extend.sum())
     batch = ModelWorkerBatch(
         input_ids=torch.zeros(num_tokens, dtype=torch.int64),

@@ -1,12 +1,17 @@
 """The CPU extension (model_worker/csrc) against the torch reference it replaces: paged attention
-against the torch_native backend on a mixed batch, each fused op against TorchOps, and proof
-from the profiler that a forward with `cpu_attn` runs the extension's ops and no SDPA."""
+against the torch_native backend on a mixed batch, each fused op against TorchOps, in float32 and
+(where the CPU has it in hardware) bfloat16, and proof from the profiler that a forward with
+`cpu_attn` runs the extension's ops and no SDPA."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
 from test_attention import make_batch, run_backend
+
+from radixserve.model_worker.cpu_features import has_native_bf16
 
 from radixserve.model_worker.fused_ops import SMALL_M, CpuKernelOps, TorchOps
 from radixserve.model_worker.kernel_selection import select_kernels
@@ -17,6 +22,13 @@ from radixserve.model_worker.packed_linear import PackedWeight
 from radixserve.model_worker.parallel import TPGroup
 
 CPU = torch.device("cpu")
+BF16 = torch.bfloat16
+needs_native_bf16 = pytest.mark.skipif(
+    not has_native_bf16(), reason="cpu_attn runs bfloat16 only on CPUs with AVX512-BF16 or AMX"
+)
+# The kernels compute in float32 and round once; torch rounds after each eager op: a few bf16
+# steps (2^-8 relative) apart.
+close_in_bf16 = partial(torch.testing.assert_close, atol=2e-2, rtol=2e-2)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +56,33 @@ def test_paged_attention_equals_torch_native(kernel_ops, lens) -> None:
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     assert torch.equal(pools[1].k_buffers[0], pools[0].k_buffers[0])
     assert torch.equal(pools[1].v_buffers[0], pools[0].v_buffers[0])
+
+
+@needs_native_bf16
+def test_paged_attention_in_bfloat16_is_close_to_torch_native(kernel_ops) -> None:
+    heads, kv_heads, head_dim = 9, 3, 64
+    outs, pools = [], []
+    for name in ("torch_native", "cpu_attn"):
+        pool = TokenToKVPool(2048, 1, kv_heads, head_dim, dtype=BF16, device=CPU)
+        case = make_batch(pool, MIXED_BATCH, heads, torch.Generator().manual_seed(1))
+        attn = select_kernels(name, heads, kv_heads, CPU, BF16).attn_backend
+        attn.init_forward_metadata(case.fb)
+        outs.append(attn.forward(case.q.to(BF16), case.k.to(BF16), case.v.to(BF16), 0, case.fb))
+        pools.append(pool)
+    assert outs[1].dtype == BF16
+    close_in_bf16(outs[1], outs[0])
+    assert torch.equal(pools[1].k_buffers[0], pools[0].k_buffers[0])
+    assert torch.equal(pools[1].v_buffers[0], pools[0].v_buffers[0])
+
+
+def test_cpu_attn_in_bfloat16_needs_it_in_hardware() -> None:
+    if has_native_bf16():
+        assert select_kernels("auto", 4, 2, CPU, BF16).name == "cpu_attn"
+    else:
+        assert select_kernels("auto", 4, 2, CPU, BF16).name == "torch_native"
+        with pytest.raises(ValueError, match="no bfloat16 in hardware"):
+            select_kernels("cpu_attn", 4, 2, CPU, BF16)
+    assert select_kernels("auto", 4, 2, CPU, torch.float16).name == "torch_native"
 
 
 def test_paged_attention_rejects_slots_outside_the_pool(kernel_ops) -> None:
@@ -96,12 +135,56 @@ def test_fused_ops_equal_torch(kernel_ops, rows: int) -> None:
         torch.testing.assert_close(kernel_ops.linear(x, packed, b), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_cpu_attn_forward_runs_the_extension(tiny_model) -> None:
+@needs_native_bf16
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_fused_ops_in_bfloat16_are_close_to_torch(kernel_ops, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    ref = TorchOps()
+    x = torch.randn(rows, 100, generator=gen).to(BF16)
+    w = torch.randn(100, generator=gen).to(BF16)
+    out = kernel_ops.rms_norm(x, w, 1e-6)
+    assert out.dtype == BF16
+    close_in_bf16(out, ref.rms_norm(x, w, 1e-6))
+
+    res_a = torch.randn(rows, 100, generator=gen).to(BF16)
+    res_b = res_a.clone()
+    out_ref = ref.add_rms_norm(x.clone(), res_a, w, 1e-6)
+    out = kernel_ops.add_rms_norm(x.clone(), res_b, w, 1e-6)
+    assert torch.equal(res_b, res_a)  # one bf16 add: rounded once either way
+    close_in_bf16(out, out_ref)
+
+    qkv = torch.randn(rows, (6 + 2 + 2) * 16, generator=gen).to(BF16)
+    q, k, _ = qkv.split((96, 32, 32), dim=-1)
+    q, k = q.view(rows, 6, 16), k.view(rows, 2, 16)
+    angles = torch.randn(rows, 8, generator=gen)
+    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    expected = ref.rotary(q.clone(), k.clone(), cos, sin)
+    got = kernel_ops.rotary(q, k, cos, sin)
+    close_in_bf16(got[0], expected[0])
+    close_in_bf16(got[1], expected[1])
+
+    gate_up = torch.randn(rows, 2 * 50, generator=gen).to(BF16)
+    close_in_bf16(kernel_ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+
+    weight = (torch.randn(37, 100, generator=gen) / 10).to(BF16)
+    bias = torch.randn(37, generator=gen).to(BF16)
+    packed = PackedWeight(weight)
+    for b in (None, bias):
+        expected = ref.linear(x, weight, b)
+        for got in (kernel_ops.linear(x, weight, b), kernel_ops.linear(x, packed, b)):
+            assert got.dtype == BF16
+            close_in_bf16(got, expected)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(BF16, marks=needs_native_bf16)], ids=str
+)
+def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
     """The profiler names the ops a forward ran: the extension's, and no SDPA; oneDNN on the
     weights reordered at load for a prompt of more rows than linear_small_m takes."""
     runner = ModelRunner(
         str(tiny_model("qwen3")),
-        dtype=torch.float32,
+        dtype=dtype,
         device=CPU,
         max_total_tokens=64,
         mem_fraction_static=0.0,
@@ -119,6 +202,27 @@ def test_cpu_attn_forward_runs_the_extension(tiny_model) -> None:
     assert "radixserve::linear_small_m" in ran  # the one-row LM head
     assert "mkldnn::_linear_pointwise" in ran  # the prompt's projections
     assert "aten::scaled_dot_product_attention" not in ran
+
+
+@needs_native_bf16
+def test_cpu_attn_logits_in_bfloat16_are_close_to_torch_natives(tiny_model) -> None:
+    path = str(tiny_model("qwen2", tie_word_embeddings=True))
+    logits = {}
+    for backend in ("torch_native", "cpu_attn"):
+        runner = ModelRunner(
+            path,
+            dtype=BF16,
+            device=CPU,
+            max_total_tokens=64,
+            mem_fraction_static=0.0,
+            tp=TPGroup(),
+            seed=0,
+            attention_backend=backend,
+        )
+        assert runner.attention_backend == backend
+        logits[backend] = runner.forward_logits(_one_prompt_batch(SMALL_M + 4))
+    ref, got = logits["torch_native"], logits["cpu_attn"]
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 def _one_prompt_batch(n: int):

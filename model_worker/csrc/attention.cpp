@@ -1,5 +1,7 @@
 // Attention that reads the paged KV pool in place: no gathered copy of any context, no padding
 // to the longest sequence. One call serves a mixed batch (decodes, prefill chunks, prefix hits).
+// float32 or bfloat16 q, k, v and pool (a bfloat16 pool halves the bytes a decode step reads);
+// scores, softmax and sums in float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -25,41 +27,42 @@ constexpr int kRowGroup = 4;          // query rows that share each load of a K 
 
 // A head's K or V row sits at a slot of the pool that no pattern predicts (a decode step's
 // tokens are interleaved with other sequences'): fetch it ahead, or every key waits for memory.
-inline void prefetch_row(const float* row, int64_t D) {
-  for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d);
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(row + d);
 }
 
 // scores[i][j] = q_i . k_j for RN query rows and the block's n keys: each K row loaded once.
-template <int RN>
-void score_rows(const float* q, const float* const* slot_rows, int64_t head_offset, int64_t n,
+template <int RN, typename T>
+void score_rows(const float* q, const T* const* slot_rows, int64_t head_offset, int64_t n,
                 int64_t D, float* scores) {
   for (int64_t j = 0; j < n; ++j) {
-    const float* kr = slot_rows[j] + head_offset;
+    const T* kr = slot_rows[j] + head_offset;
     Vec a[RN];
     for (int i = 0; i < RN; ++i) a[i] = Vec(0.f);
     int64_t d = 0;
     for (; d + kLanes <= D; d += kLanes) {
-      const Vec kv = Vec::loadu(kr + d);
+      const Vec kv = load_float(kr + d);
       for (int i = 0; i < RN; ++i) a[i] = at::vec::fmadd(Vec::loadu(q + i * D + d), kv, a[i]);
     }
     for (int i = 0; i < RN; ++i) {
       float sum = hsum(a[i]);
-      for (int64_t dd = d; dd < D; ++dd) sum += q[i * D + dd] * kr[dd];
+      for (int64_t dd = d; dd < D; ++dd) sum += q[i * D + dd] * static_cast<float>(kr[dd]);
       scores[i * kBlockKeys + j] = sum;
     }
   }
 }
 
 // acc[i] += sum_j p[i][j] v_j for RN query rows: each V row loaded once, acc held in registers.
-template <int RN>
-void accumulate_rows(const float* p, const float* const* slot_rows, int64_t head_offset, int64_t n,
+template <int RN, typename T>
+void accumulate_rows(const float* p, const T* const* slot_rows, int64_t head_offset, int64_t n,
                      int64_t D, float* acc) {
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
     Vec a[RN];
     for (int i = 0; i < RN; ++i) a[i] = Vec::loadu(acc + i * D + d);
     for (int64_t j = 0; j < n; ++j) {
-      const Vec vv = Vec::loadu(slot_rows[j] + head_offset + d);
+      const Vec vv = load_float(slot_rows[j] + head_offset + d);
       for (int i = 0; i < RN; ++i) a[i] = at::vec::fmadd(Vec(p[i * kBlockKeys + j]), vv, a[i]);
     }
     for (int i = 0; i < RN; ++i) a[i].store(acc + i * D + d);
@@ -67,7 +70,7 @@ void accumulate_rows(const float* p, const float* const* slot_rows, int64_t head
   for (; d < D; ++d) {
     for (int64_t j = 0; j < n; ++j) {
       for (int i = 0; i < RN; ++i) {
-        acc[i * D + d] += p[i * kBlockKeys + j] * slot_rows[j][head_offset + d];
+        acc[i * D + d] += p[i * kBlockKeys + j] * static_cast<float>(slot_rows[j][head_offset + d]);
       }
     }
   }
@@ -91,47 +94,34 @@ struct Item {
   int64_t work;                 // ~ rows x keys, to hand out the largest items first
 };
 
+template <typename T>
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& out_cache_loc) {
-  const int64_t T = k.size(0), heads = k.size(1), D = k.size(2);
+  const int64_t num_tokens = k.size(0), heads = k.size(1), D = k.size(2);
   const int64_t* loc = out_cache_loc.data_ptr<int64_t>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t dst = (loc[t] * heads + h) * D;
-        std::memcpy(kc + dst, kp + t * k.stride(0) + h * k.stride(1), D * sizeof(float));
-        std::memcpy(vc + dst, vp + t * v.stride(0) + h * v.stride(1), D * sizeof(float));
+        std::memcpy(kc + dst, kp + t * k.stride(0) + h * k.stride(1), D * sizeof(T));
+        std::memcpy(vc + dst, vp + t * v.stride(0) + h * v.stride(1), D * sizeof(T));
       }
     }
   });
 }
 
-}  // namespace
-
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           at::Tensor& k_cache, at::Tensor& v_cache,
-                           const at::Tensor& out_cache_loc, const at::Tensor& kv_slots,
-                           const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
-                           double scale) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &k_cache, &v_cache}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->stride(2) == 1,
-                "paged_attention: q, k, v and the caches must be float32 [n, heads, head_dim] "
-                "with contiguous rows");
-  }
-  for (const at::Tensor* t : {&out_cache_loc, &kv_slots, &prefix_lens, &extend_lens}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
-                "paged_attention: index tensors must be contiguous int64");
-  }
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+template <typename T>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_cache_loc,
+                  const at::Tensor& kv_slots, const at::Tensor& prefix_lens,
+                  const at::Tensor& extend_lens, double scale) {
+  const int64_t num_tokens = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), B = extend_lens.size(0), L = kv_slots.size(1);
-  TORCH_CHECK(H % Hkv == 0 && k_cache.size(2) == D && k.size(1) == Hkv && k.size(0) == T,
-              "paged_attention: head shapes disagree");
-  write_kv(k, v, k_cache, v_cache, out_cache_loc);
+  write_kv<T>(k, v, k_cache, v_cache, out_cache_loc);
 
   const int64_t G = H / Hkv;  // query heads per KV head
   const int64_t q_block = std::max<int64_t>(1, kQueryRows / G);
@@ -150,12 +140,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.work > b.work; });
 
-  at::Tensor out = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  const float* qp = q.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
+  at::Tensor out =
+      at::empty({num_tokens, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
   const int64_t* slots_all = kv_slots.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // A work unit takes every KV head of its item, reading each slot's K and V rows whole (one
   // contiguous run of memory per slot), unless there are too few items to keep every thread busy.
@@ -172,7 +163,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     std::vector<float> qbuf(rows_max * D), acc(rows_max * D), scores(q_block * G * kBlockKeys);
     std::vector<float> row_max(rows_max), row_sum(rows_max);
     std::vector<int64_t> row_keys(q_block * G);
-    std::vector<const float*> krows(kBlockKeys), vrows(kBlockKeys);
+    std::vector<const T*> krows(kBlockKeys), vrows(kBlockKeys);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < num_work; ++w) {
       const Item& it = items[w / units_per_item];
@@ -187,9 +178,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
         const int64_t h = h_begin + hh;
         for (int64_t r = 0; r < R; ++r) {
-          const float* src = qp + (tok0 + r / G) * q.stride(0) + (h * G + r % G) * q.stride(1);
+          const T* src = qp + (tok0 + r / G) * q.stride(0) + (h * G + r % G) * q.stride(1);
           float* dst = qbuf.data() + (hh * R + r) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * static_cast<float>(scale);
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
           row_max[hh * R + r] = neg_inf;
           row_sum[hh * R + r] = 0.f;
         }
@@ -249,7 +240,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
         const int64_t h = h_begin + hh;
         for (int64_t r = 0; r < R; ++r) {
-          float* dst = op + ((tok0 + r / G) * H + h * G + r % G) * D;
+          T* dst = op + ((tok0 + r / G) * H + h * G + r % G) * D;
           const float* src = acc.data() + (hh * R + r) * D;
           const float inv = 1.f / row_sum[hh * R + r];
           for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * inv;
@@ -258,6 +249,32 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     }
   }
   return out;
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& out_cache_loc, const at::Tensor& kv_slots,
+                           const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
+                           double scale) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->scalar_type() == q.scalar_type() && t->dim() == 3 && t->stride(2) == 1,
+                "paged_attention: q, k, v and the caches must be [n, heads, head_dim] of one "
+                "dtype with contiguous rows");
+  }
+  for (const at::Tensor* t : {&out_cache_loc, &kv_slots, &prefix_lens, &extend_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "paged_attention: index tensors must be contiguous int64");
+  }
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2) &&
+                  k.size(1) == k_cache.size(1) && k.size(0) == q.size(0),
+              "paged_attention: head shapes disagree");
+  return RADIXSERVE_DISPATCH_FLOAT(q, "paged_attention", [&] {
+    return attend<scalar_t>(q, k, v, k_cache, v_cache, out_cache_loc, kv_slots, prefix_lens,
+                            extend_lens, scale);
+  });
 }
 
 }  // namespace radixserve

@@ -1,7 +1,12 @@
 // y = x W^T + b for a few rows of x (a decode step at low concurrency): every weight byte is read
 // once and used for all rows, at memory speed. BLAS sgemm runs this shape at ~half the bandwidth.
+// float32 or bfloat16 (accumulated in float32, rounded once).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "ops.h"
 #include "vec_utils.h"
@@ -9,28 +14,58 @@
 namespace radixserve {
 namespace {
 
-template <int M>
-void rows_times_weight(const float* x, const float* w, const float* bias, float* y, int64_t K,
-                       int64_t N, int64_t n_begin, int64_t n_end) {
+template <int M, typename T>
+void rows_times_weight(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N,
+                       int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
-    const float* wr = w + n * K;
+    const T* wr = w + n * K;
     Vec acc[M];
     for (int m = 0; m < M; ++m) acc[m] = Vec(0.f);
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) {
-      const Vec wv = Vec::loadu(wr + k);
-      for (int m = 0; m < M; ++m) acc[m] = at::vec::fmadd(Vec::loadu(x + m * K + k), wv, acc[m]);
+      const Vec wv = load_float(wr + k);
+      for (int m = 0; m < M; ++m) acc[m] = at::vec::fmadd(load_float(x + m * K + k), wv, acc[m]);
     }
     for (int m = 0; m < M; ++m) {
       float sum = hsum(acc[m]);
-      for (int64_t kk = k; kk < K; ++kk) sum += x[m * K + kk] * wr[kk];
-      y[m * N + n] = bias == nullptr ? sum : sum + bias[n];
+      for (int64_t kk = k; kk < K; ++kk) {
+        sum += static_cast<float>(x[m * K + kk]) * static_cast<float>(wr[kk]);
+      }
+      y[m * N + n] = bias == nullptr ? sum : sum + static_cast<float>(bias[n]);
     }
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 on a CPU with AVX512-BF16: each instruction sums two bf16 products into every float
+// lane, with no conversion of x or w first.
 template <int M>
-void linear_m(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N) {
+void rows_times_weight(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
+                       at::BFloat16* y, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const at::BFloat16* wr = w + n * K;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
+      for (int m = 0; m < M; ++m) {
+        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), wv);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      float sum = _mm512_reduce_add_ps(acc[m]);
+      for (int64_t kk = k; kk < K; ++kk) {
+        sum += static_cast<float>(x[m * K + kk]) * static_cast<float>(wr[kk]);
+      }
+      y[m * N + n] = bias == nullptr ? sum : sum + static_cast<float>(bias[n]);
+    }
+  }
+}
+#endif
+
+template <int M, typename T>
+void linear_m(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     rows_times_weight<M>(x, w, bias, y, K, N, begin, end);
   });
@@ -41,30 +76,32 @@ void linear_m(const float* x, const float* w, const float* bias, float* y, int64
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() &&
-                  x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
-                  x.size(1) == weight.size(1),
-              "linear_small_m: contiguous float32 x [M, K] and weight [N, K]");
+                  x.scalar_type() == weight.scalar_type() && x.size(1) == weight.size(1),
+              "linear_small_m: contiguous x [M, K] and weight [N, K] of one dtype");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxSmallM, "linear_small_m: 1 to ", kMaxSmallM, " rows");
-  const float* bp = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "linear_small_m: bias shape");
-    bp = bias->data_ptr<float>();
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N &&
+                    bias->scalar_type() == x.scalar_type(),
+                "linear_small_m: bias shape or dtype");
   }
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  switch (M) {
-    case 1: linear_m<1>(xp, wp, bp, yp, K, N); break;
-    case 2: linear_m<2>(xp, wp, bp, yp, K, N); break;
-    case 3: linear_m<3>(xp, wp, bp, yp, K, N); break;
-    case 4: linear_m<4>(xp, wp, bp, yp, K, N); break;
-    case 5: linear_m<5>(xp, wp, bp, yp, K, N); break;
-    case 6: linear_m<6>(xp, wp, bp, yp, K, N); break;
-    case 7: linear_m<7>(xp, wp, bp, yp, K, N); break;
-    default: linear_m<8>(xp, wp, bp, yp, K, N); break;
-  }
+  RADIXSERVE_DISPATCH_FLOAT(x, "linear_small_m", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const scalar_t* bp = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    switch (M) {
+      case 1: linear_m<1>(xp, wp, bp, yp, K, N); break;
+      case 2: linear_m<2>(xp, wp, bp, yp, K, N); break;
+      case 3: linear_m<3>(xp, wp, bp, yp, K, N); break;
+      case 4: linear_m<4>(xp, wp, bp, yp, K, N); break;
+      case 5: linear_m<5>(xp, wp, bp, yp, K, N); break;
+      case 6: linear_m<6>(xp, wp, bp, yp, K, N); break;
+      case 7: linear_m<7>(xp, wp, bp, yp, K, N); break;
+      default: linear_m<8>(xp, wp, bp, yp, K, N); break;
+    }
+  });
   return y;
 }
 

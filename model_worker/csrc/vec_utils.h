@@ -3,7 +3,9 @@
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/functional_bfloat16.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 
@@ -11,6 +13,35 @@ namespace radixserve {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
+
+// The ops take float32 or bfloat16 tensors and compute in float32: kLanes elements of either
+// kind, loaded as floats and stored back rounded to nearest even.
+inline Vec load_float(const float* p) { return Vec::loadu(p); }
+inline Vec load_float(const at::BFloat16* p) {
+  Vec v;
+  at::vec::load_fp32_from_bf16(p, v);
+  return v;
+}
+inline void store_float(const Vec& v, float* p) { v.store(p); }
+inline void store_float(const Vec& v, at::BFloat16* p) {
+  // Converts a pair of float vectors into one of bfloat16: the first half is v's.
+  at::vec::convert_from_float<at::BFloat16>(v, v).store(p, kLanes);
+}
+
+// Expands the lambda given for scalar_t = float and = at::BFloat16, and runs the one for the
+// tensor's dtype (as AT_DISPATCH does).
+#define RADIXSERVE_DISPATCH_FLOAT(tensor, op, ...)                                         \
+  [&] {                                                                                    \
+    const auto kind = (tensor).scalar_type();                                              \
+    TORCH_CHECK(kind == at::kFloat || kind == at::kBFloat16, op,                           \
+                ": float32 or bfloat16 tensors only, not ", kind);                         \
+    if (kind == at::kBFloat16) {                                                           \
+      using scalar_t = at::BFloat16;                                                       \
+      return __VA_ARGS__();                                                                \
+    }                                                                                      \
+    using scalar_t = float;                                                                \
+    return __VA_ARGS__();                                                                  \
+  }()
 
 inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
