@@ -123,7 +123,8 @@ _HELP = {
     "dist_init_addr": "host:port where the TP ranks meet (node 0's address; replica i uses port + "
     "i); needed with --nnodes above 1 (default: a free port on 127.0.0.1)",
     "attention_backend": "cpu_attn: the CPU extension (paged attention reading the KV pool in "
-    "place, fused small ops), float32 on the CPU; torch_native: eager torch, the reference; auto: "
+    "place, fused small ops), float32 on the CPU, and bfloat16 where the CPU has it in hardware; "
+    "torch_native: eager torch, the reference; auto: "
     "cpu_attn where it applies and builds, else torch_native",
     "quantization": "int8: int8 weights and per-token int8 activations (w8a8) for every linear "
     "layer and the LM head, on the CPU (default: none)",

@@ -103,7 +103,10 @@ class CpuKernelOps(TorchOps):
         if isinstance(weight, Int8Weight):
             return weight.matmul(x, bias)
         if isinstance(weight, PackedWeight):
-            if x.shape[0] < PACKED_MIN_ROWS and x.is_contiguous():
+            # bfloat16 stays on oneDNN at every row count: its rows come out the same whatever
+            # the batch, so a prompt answered from the prefix cache gets the greedy tokens it got
+            # computed whole (linear_small_m sums in another order, which bf16 rounding shows).
+            if x.shape[0] < PACKED_MIN_ROWS and x.dtype == torch.float32 and x.is_contiguous():
                 return self._linear_small_m(x, weight.dense, bias)
             return weight.matmul(x, bias)
         if x.shape[0] <= SMALL_M and x.is_contiguous():

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.model_worker.attention import AttentionBackend, TorchNativeBackend
-from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.cpu_attention import CpuAttnBackend
+from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.cpu_kernels import cpu_kernels_available
 from radixserve.model_worker.fused_ops import CpuKernelOps, TorchOps
 

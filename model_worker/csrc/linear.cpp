@@ -4,10 +4,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 #include "ops.h"
 #include "vec_utils.h"
 
@@ -35,34 +31,6 @@ void rows_times_weight(const T* x, const T* w, const T* bias, T* y, int64_t K, i
     }
   }
 }
-
-#if defined(__AVX512BF16__)
-// bfloat16 on a CPU with AVX512-BF16: each instruction sums two bf16 products into every float
-// lane, with no conversion of x or w first.
-template <int M>
-void rows_times_weight(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
-                       at::BFloat16* y, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const at::BFloat16* wr = w + n * K;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k);
-      for (int m = 0; m < M; ++m) {
-        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(x + m * K + k), wv);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      float sum = _mm512_reduce_add_ps(acc[m]);
-      for (int64_t kk = k; kk < K; ++kk) {
-        sum += static_cast<float>(x[m * K + kk]) * static_cast<float>(wr[kk]);
-      }
-      y[m * N + n] = bias == nullptr ? sum : sum + static_cast<float>(bias[n]);
-    }
-  }
-}
-#endif
 
 template <int M, typename T>
 void linear_m(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N) {
