@@ -87,5 +87,6 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype("auto", cuda, checkpoint_dtype=torch.float16) == torch.float16
     assert resolve_dtype("auto", cuda, checkpoint_dtype=torch.float32) == torch.bfloat16
     assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
+    assert resolve_dtype("auto", cpu, quantization="int8") == torch.float32
     with pytest.raises(ValueError, match="float64"):
         resolve_dtype("float64", cpu)

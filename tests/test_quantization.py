@@ -124,3 +124,17 @@ def test_unknown_quantization_is_refused(tiny_model) -> None:
             seed=0,
             quantization="fp4",
         )
+
+
+def test_int8_with_bfloat16_activations_is_refused(tiny_model) -> None:
+    with pytest.raises(ValueError, match="int8 runs with --dtype float32"):
+        ModelRunner(
+            str(tiny_model("llama")),
+            dtype=torch.bfloat16,
+            device=torch.device("cpu"),
+            max_total_tokens=32,
+            mem_fraction_static=0.0,
+            tp=TPGroup(),
+            seed=0,
+            quantization="int8",
+        )
