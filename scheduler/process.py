@@ -77,8 +77,8 @@ def overlap_schedule(args: ServerArgs, device: torch.device) -> bool:
     Overlap hides the scheduler's CPU work behind a forward that runs elsewhere. On the CPU the
     forward's threads already take every core, and a forward launched from a second thread gets
     a second OpenMP team beside the main thread's: on the idle 2-core machine the same decode
-    step took 37 ms there against 25 ms on the main thread, and served ITL was 37 against 27 ms
-    at concurrency 1, 157 against 137 ms at 64 (benchmarks/RESULTS.md).
+    step took 39 ms there against 27 ms on the main thread, and overlap served 0.64x the
+    throughput one request at a time, 0.86x at 64 (benchmarks/RESULTS.md).
     """
     if args.enable_overlap_schedule or args.disable_overlap_schedule:
         return args.enable_overlap_schedule

@@ -181,16 +181,7 @@ def test_fused_ops_in_bfloat16_are_close_to_torch(kernel_ops, rows: int) -> None
 def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
     """The profiler names the ops a forward ran: the extension's, and no SDPA; oneDNN on the
     weights reordered at load for a prompt of more rows than linear_small_m takes."""
-    runner = ModelRunner(
-        str(tiny_model("qwen3")),
-        dtype=dtype,
-        device=CPU,
-        max_total_tokens=64,
-        mem_fraction_static=0.0,
-        tp=TPGroup(),
-        seed=0,
-        attention_backend="cpu_attn",
-    )
+    runner = _runner(str(tiny_model("qwen3")), dtype, "cpu_attn")
     linears = [m for m in runner.model.modules() if isinstance(m, ColumnParallelLinear)]
     assert linears and all(isinstance(m.weight, PackedWeight) for m in linears)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -210,20 +201,24 @@ def test_cpu_attn_logits_in_bfloat16_are_close_to_torch_natives(tiny_model) -> N
     path = str(tiny_model("qwen2", tie_word_embeddings=True))
     logits = {}
     for backend in ("torch_native", "cpu_attn"):
-        runner = ModelRunner(
-            path,
-            dtype=BF16,
-            device=CPU,
-            max_total_tokens=64,
-            mem_fraction_static=0.0,
-            tp=TPGroup(),
-            seed=0,
-            attention_backend=backend,
-        )
+        runner = _runner(path, BF16, backend)
         assert runner.attention_backend == backend
         logits[backend] = runner.forward_logits(_one_prompt_batch(SMALL_M + 4))
     ref, got = logits["torch_native"], logits["cpu_attn"]
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def _runner(path: str, dtype: torch.dtype, backend: str) -> ModelRunner:
+    return ModelRunner(
+        path,
+        dtype=dtype,
+        device=CPU,
+        max_total_tokens=64,
+        mem_fraction_static=0.0,
+        tp=TPGroup(),
+        seed=0,
+        attention_backend=backend,
+    )
 
 
 def _one_prompt_batch(n: int):

@@ -112,29 +112,22 @@ def test_int8_model_quantizes_every_linear_and_the_head(tiny_model) -> None:
     assert not torch.equal(got, ref)
 
 
-def test_unknown_quantization_is_refused(tiny_model) -> None:
-    with pytest.raises(ValueError, match="unknown quantization 'fp4'"):
+@pytest.mark.parametrize(
+    ("quantization", "dtype", "reason"),
+    [
+        ("fp4", torch.float32, "unknown quantization 'fp4'"),
+        ("int8", torch.bfloat16, "int8 runs with --dtype float32"),
+    ],
+)
+def test_quantization_that_cannot_run_is_refused(tiny_model, quantization, dtype, reason) -> None:
+    with pytest.raises(ValueError, match=reason):
         ModelRunner(
             str(tiny_model("llama")),
-            dtype=torch.float32,
+            dtype=dtype,
             device=torch.device("cpu"),
             max_total_tokens=32,
             mem_fraction_static=0.0,
             tp=TPGroup(),
             seed=0,
-            quantization="fp4",
-        )
-
-
-def test_int8_with_bfloat16_activations_is_refused(tiny_model) -> None:
-    with pytest.raises(ValueError, match="int8 runs with --dtype float32"):
-        ModelRunner(
-            str(tiny_model("llama")),
-            dtype=torch.bfloat16,
-            device=torch.device("cpu"),
-            max_total_tokens=32,
-            mem_fraction_static=0.0,
-            tp=TPGroup(),
-            seed=0,
-            quantization="int8",
+            quantization=quantization,
         )
