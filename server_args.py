@@ -35,6 +35,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     num_threads: int | None = None  # threads of each model process; default: cores / processes
     attention_backend: str = "auto"  # auto | torch_native | cpu_attn
     quantization: str | None = None  # None | int8
+    disable_fused_layers: bool = False  # run cpu_attn's decoder layers as modules, op by op
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each
     dp_size: int = 1  # data-parallel replicas, each of --tp-size ranks
     load_balance_method: str = "round_robin"  # round_robin | cache_aware
@@ -128,6 +129,9 @@ _HELP = {
     "cpu_attn where it applies and builds, else torch_native",
     "quantization": "int8: int8 weights and per-token int8 activations (w8a8) for every linear "
     "layer and the LM head, on the CPU (default: none)",
+    "disable_fused_layers": "with cpu_attn on one rank, run the decoder layers as Python "
+    "modules, one op at a time, instead of all in one call of the CPU extension (the same "
+    "kernels, the same results)",
     "enable_overlap_schedule": "overlap on the CPU too: plan step N+1 (and process step N-1) "
     "while step N runs on a worker thread. With a GPU it is on unless disabled; on the CPU, "
     "where the forward's threads take every core, off unless asked for",

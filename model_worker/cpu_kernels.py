@@ -22,7 +22,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("attention.cpp", "elementwise.cpp", "int8.cpp", "linear.cpp", "register.cpp")
+SOURCES = (
+    "attention.cpp",
+    "decoder.cpp",
+    "elementwise.cpp",
+    "int8.cpp",
+    "linear.cpp",
+    "register.cpp",
+)
 # SIMD widths of ATen's Vectorized<float> that the sources compile for; others build scalar.
 _VEC_CAPABILITIES = ("AVX2", "AVX512")
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model_worker.packed_linear import PackedWeight, onednn_packing_available
-from radixserve.model_worker.quantization import Int8Weight
+from radixserve.model_worker.quantization import Int8Weight, int8_small_rows
 
 # A linear weight prepared once after loading: int8, or kept in oneDNN's layout as well.
 PreparedWeight = Int8Weight | PackedWeight
@@ -102,19 +102,27 @@ class CpuKernelOps(TorchOps):
     ) -> torch.Tensor:
         if isinstance(weight, Int8Weight):
             return weight.matmul(x, bias)
+        small = x.shape[0] < small_kernel_rows(weight) and x.is_contiguous()
         if isinstance(weight, PackedWeight):
-            # bfloat16 stays on oneDNN at every row count: its rows come out the same whatever
-            # the batch, so a prompt answered from the prefix cache gets the greedy tokens it got
-            # computed whole (linear_small_m sums in another order, which bf16 rounding shows).
-            if x.shape[0] < PACKED_MIN_ROWS and x.dtype == torch.float32 and x.is_contiguous():
-                return self._linear_small_m(x, weight.dense, bias)
-            return weight.matmul(x, bias)
-        if x.shape[0] <= SMALL_M and x.is_contiguous():
-            return self._linear_small_m(x, weight, bias)
-        return F.linear(x, weight, bias)
+            return self._linear_small_m(x, weight.dense, bias) if small else weight.matmul(x, bias)
+        return self._linear_small_m(x, weight, bias) if small else F.linear(x, weight, bias)
 
     def weight_conversion(self) -> Callable[[torch.Tensor], PreparedWeight] | None:
         return PackedWeight if onednn_packing_available() else None
+
+
+def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
+    """Rows below which CpuKernelOps.linear runs the extension's own kernel on `weight`
+    (linear_small_m, int8_linear); from there on F.linear or oneDNN. The fused decoder layers
+    (fused_layers.py) take the same choice from here."""
+    if isinstance(weight, Int8Weight):
+        return int8_small_rows()
+    if isinstance(weight, PackedWeight):
+        # bfloat16 stays on oneDNN at every row count: its rows come out the same whatever the
+        # batch, so a prompt answered from the prefix cache gets the greedy tokens it got
+        # computed whole (linear_small_m sums in another order, which bf16 rounding shows).
+        return PACKED_MIN_ROWS if weight.dense.dtype == torch.float32 else 0
+    return SMALL_M + 1
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ class ModelRunner:
         seed: int,
         attention_backend: str = "auto",
         quantization: str | None = None,
+        fused_layers: bool = True,
     ):
         self.model_config = config = ModelConfig.from_dir(model_path)
         self.device = device
@@ -61,6 +62,10 @@ class ModelRunner:
         convert = Int8Weight if quantization == "int8" else kernels.ops.weight_conversion()
         if convert is not None:
             self.model.convert_linear_weights(convert)
+        # The fused layers call paged_attention themselves, and have no all-reduce between a
+        # layer's matmuls.
+        fusable = fused_layers and kernels.name == "cpu_attn" and tp.size == 1
+        self.fused_layers = fusable and self.model.fuse_layers()
 
         kv_slot_bytes = TokenToKVPool.bytes_per_slot(
             config.num_hidden_layers, num_kv_heads, config.head_dim, dtype
@@ -79,13 +84,14 @@ class ModelRunner:
         )
         self.sampler = Sampler(device, seed)
         logger.info(
-            "Loaded %s (%s, %s, attention backend %s, quantization %s, TP rank %d/%d): "
-            "KV pool of %d tokens, %.2f GB",
+            "Loaded %s (%s, %s, attention backend %s, quantization %s, fused layers %s, "
+            "TP rank %d/%d): KV pool of %d tokens, %.2f GB",
             config.architecture,
             dtype,
             device,
             self.attention_backend,
             quantization,
+            self.fused_layers,
             tp.rank,
             tp.size,
             self.max_total_tokens,

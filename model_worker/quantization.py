@@ -14,6 +14,7 @@ a result.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -33,6 +34,11 @@ def onednn_int8_is_exact() -> bool:
     return has_int8_dot_products()
 
 
+def int8_small_rows() -> int:
+    """Rows below which int8_linear runs; oneDNN's int8 matmul from there on, where it is exact."""
+    return INT8_GEMM_MIN_ROWS if onednn_int8_is_exact() else sys.maxsize
+
+
 class Int8Weight:
     """A linear layer's weight [N, K]: int8, one scale per output channel."""
 
@@ -50,7 +56,7 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 -> x W^T + bias [M, N] float32."""
         ops = torch.ops.radixserve
-        if x.shape[0] < INT8_GEMM_MIN_ROWS or not onednn_int8_is_exact():
+        if x.shape[0] < int8_small_rows():
             return ops.int8_linear(x, self.q, self.scale, bias)
         xq, x_scale = ops.quantize_rows_int8(x)
         return ops.dequantize_rows(torch._int_mm(xq, self.q.t()), x_scale, self.scale, bias)

@@ -68,6 +68,7 @@ def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlaceme
         seed=args.random_seed,
         attention_backend=args.attention_backend,
         quantization=args.quantization,
+        fused_layers=not args.disable_fused_layers,
     )
 
 

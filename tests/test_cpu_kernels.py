@@ -181,7 +181,8 @@ def test_fused_ops_in_bfloat16_are_close_to_torch(kernel_ops, rows: int) -> None
 def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
     """The profiler names the ops a forward ran: the extension's, and no SDPA; oneDNN on the
     weights reordered at load for a prompt of more rows than linear_small_m takes."""
-    runner = _runner(str(tiny_model("qwen3")), dtype, "cpu_attn")
+    # Op by op, so that the profiler sees each (test_fused_layers.py: the same kernels fused).
+    runner = _runner(str(tiny_model("qwen3")), dtype, "cpu_attn", fused_layers=False)
     linears = [m for m in runner.model.modules() if isinstance(m, ColumnParallelLinear)]
     assert linears and all(isinstance(m.weight, PackedWeight) for m in linears)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -208,7 +209,7 @@ def test_cpu_attn_logits_in_bfloat16_are_close_to_torch_natives(tiny_model) -> N
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def _runner(path: str, dtype: torch.dtype, backend: str) -> ModelRunner:
+def _runner(path: str, dtype: torch.dtype, backend: str, fused_layers: bool = True) -> ModelRunner:
     return ModelRunner(
         path,
         dtype=dtype,
@@ -218,6 +219,7 @@ def _runner(path: str, dtype: torch.dtype, backend: str) -> ModelRunner:
         tp=TPGroup(),
         seed=0,
         attention_backend=backend,
+        fused_layers=fused_layers,
     )
 
 

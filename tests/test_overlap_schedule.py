@@ -175,7 +175,10 @@ def servers(tiny_served_model):
     model = str(tiny_served_model)
     with (
         launched_server("--model", model, "--enable-overlap-schedule", *SERVER_ARGS) as overlap,
-        launched_server("--model", model, "--disable-overlap-schedule", *SERVER_ARGS) as off,
+        # The modules op by op here, the fused layers there (the default): the same tokens too.
+        launched_server(
+            "--model", model, "--disable-overlap-schedule", "--disable-fused-layers", *SERVER_ARGS
+        ) as off,
     ):
         yield {"overlap": overlap, "off": off}
 
@@ -222,6 +225,8 @@ async def _mixed_load(address: str) -> dict[str, Any]:
 
 
 def test_servers_with_and_without_overlap_give_the_same_tokens(servers) -> None:
+    assert "fused layers True" in servers["overlap"].log()
+    assert "fused layers False" in servers["off"].log()
     results = {mode: asyncio.run(_mixed_load(s.address)) for mode, s in servers.items()}
     info = {mode: r.pop("info") for mode, r in results.items()}
     for r in results.values():

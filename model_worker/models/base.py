@@ -33,3 +33,8 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def checkpoint_name(self, param: str, piece: int) -> str:
         """The inverse of param_for_checkpoint_name, for error messages."""
+
+    def fuse_layers(self) -> bool:
+        """From now on run the decoder layers in one call of the CPU extension (cpu_attn on one
+        rank; fused_layers.py), where the model has such a path; whether it has."""
+        return False

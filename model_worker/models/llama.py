@@ -11,6 +11,7 @@ from torch import nn
 
 from radixserve.model_worker.attention import AttentionBackend
 from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.fused_layers import FusedDecoderLayers, linear_kernel
 from radixserve.model_worker.fused_ops import TorchOps
 from radixserve.model_worker.layers import (
     ColumnParallelLinear,
@@ -206,6 +207,7 @@ class LlamaModel(nn.Module):
             config.hidden_size, config.rms_norm_eps, ops=ops, dtype=dtype, device=device
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, device)
+        self.fused_layers: FusedDecoderLayers | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch
@@ -215,9 +217,42 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         residual = torch.zeros_like(hidden)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, residual, cos, sin, fb)
+        if self.fused_layers is not None:
+            hidden = self.fused_layers(hidden, residual, cos, sin, fb)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, residual, cos, sin, fb)
         return self.norm(hidden, residual)
+
+    def fuse_layers(self) -> None:
+        """From now on run every layer in one call of the CPU extension (fused_layers.py), on
+        the weights as loaded and converted."""
+        layers = [layer for layer in self.layers if isinstance(layer, LlamaDecoderLayer)]
+        first = layers[0].self_attn
+        fused = FusedDecoderLayers(
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+            self.norm.eps,
+            first.head_dim**-0.5,  # as the attention backends scale
+        )
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qk_norms = None
+            if attn.q_norm is not None and attn.k_norm is not None:
+                qk_norms = (attn.q_norm.weight, attn.k_norm.weight)
+            fused.add_layer(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                qk_norms,
+                linear_kernel(attn.qkv_proj.weight, attn.qkv_proj.bias),
+                linear_kernel(attn.o_proj.weight, None),
+                attn.o_proj.bias,
+                linear_kernel(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias),
+                linear_kernel(mlp.down_proj.weight, None),
+                mlp.down_proj.bias,
+            )
+        self.fused_layers = fused
 
 
 class LlamaForCausalLM(CausalLM):
@@ -251,6 +286,10 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_rows)
+
+    def fuse_layers(self) -> bool:
+        self.model.fuse_layers()
+        return True
 
     def convert_linear_weights(self, convert: WeightConversion) -> None:
         for module in self.modules():
