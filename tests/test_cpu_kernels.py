@@ -41,11 +41,13 @@ MIXED_BATCH = [(150, 1), (0, 70), (5, 1), (200, 33), (64, 1), (130, 64), (0, 1),
 
 # Many work items: each takes all KV heads of its query rows; few: one KV head each.
 @pytest.mark.parametrize("lens", [MIXED_BATCH, [(150, 1)], [(0, 70)]], ids=["mixed", "one", "few"])
-def test_paged_attention_equals_torch_native(kernel_ops, lens) -> None:
-    """SmolLM2's heads (9 query, 3 KV, head_dim 64); contexts long enough for several key blocks
-    and query blocks per sequence; decodes, a fresh prefill, chunks over cached prefixes, and a
-    prefix hit whose one new token is not a decode of a running request."""
-    heads, kv_heads, head_dim, num_slots = 9, 3, 64, 2048
+# The kernel is compiled for head sizes 64 and 128; others take its general loop.
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_paged_attention_equals_torch_native(kernel_ops, lens, head_dim) -> None:
+    """SmolLM2's heads (9 query, 3 KV); contexts long enough for several key blocks and query
+    blocks per sequence; decodes, a fresh prefill, chunks over cached prefixes, and a prefix hit
+    whose one new token is not a decode of a running request."""
+    heads, kv_heads, num_slots = 9, 3, 2048
     outs, pools = [], []
     for name in ("torch_native", "cpu_attn"):
         pool = TokenToKVPool(num_slots, 1, kv_heads, head_dim, dtype=torch.float32, device=CPU)

@@ -33,9 +33,28 @@ inline void prefetch_row(const T* row, int64_t D) {
 }
 
 // scores[i][j] = q_i . k_j for RN query rows and the block's n keys: each K row loaded once.
-template <int RN, typename T>
+// With the head size known at compile time (kD), the query rows stay in registers across keys.
+template <int RN, int kD, typename T>
 void score_rows(const float* q, const T* const* slot_rows, int64_t head_offset, int64_t n,
                 int64_t D, float* scores) {
+  if constexpr (kD > 0 && kD % kLanes == 0) {
+    constexpr int64_t kVecs = kD / kLanes;
+    Vec qv[RN][kVecs];
+    for (int i = 0; i < RN; ++i) {
+      for (int64_t c = 0; c < kVecs; ++c) qv[i][c] = Vec::loadu(q + i * kD + c * kLanes);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const T* kr = slot_rows[j] + head_offset;
+      Vec a[RN];
+      for (int i = 0; i < RN; ++i) a[i] = Vec(0.f);
+      for (int64_t c = 0; c < kVecs; ++c) {
+        const Vec kv = load_float(kr + c * kLanes);
+        for (int i = 0; i < RN; ++i) a[i] = at::vec::fmadd(qv[i][c], kv, a[i]);
+      }
+      for (int i = 0; i < RN; ++i) scores[i * kBlockKeys + j] = hsum(a[i]);
+    }
+    return;
+  }
   for (int64_t j = 0; j < n; ++j) {
     const T* kr = slot_rows[j] + head_offset;
     Vec a[RN];
@@ -114,7 +133,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   });
 }
 
-template <typename T>
+// kD: the head size where it is a common one (compiled for it), else 0.
+template <typename T, int kD>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_cache_loc,
                   const at::Tensor& kv_slots, const at::Tensor& prefix_lens,
@@ -203,8 +223,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const float* qh = qbuf.data() + hh * R * D;
           float* acch = acc.data() + hh * R * D;
           for_row_groups(R, [&](auto rn, int64_t r0) {
-            score_rows<rn>(qh + r0 * D, krows.data(), hh * D, n, D,
-                           scores.data() + r0 * kBlockKeys);
+            score_rows<rn, kD>(qh + r0 * D, krows.data(), hh * D, n, D,
+                               scores.data() + r0 * kBlockKeys);
           });
           for (int64_t r = 0; r < R; ++r) {
             const int64_t cnt = std::max<int64_t>(0, std::min(n, row_keys[r] - j0));
@@ -272,8 +292,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                   k.size(1) == k_cache.size(1) && k.size(0) == q.size(0),
               "paged_attention: head shapes disagree");
   return RADIXSERVE_DISPATCH_FLOAT(q, "paged_attention", [&] {
-    return attend<scalar_t>(q, k, v, k_cache, v_cache, out_cache_loc, kv_slots, prefix_lens,
-                            extend_lens, scale);
+    const auto run = [&](auto head_size) {
+      return attend<scalar_t, decltype(head_size)::value>(
+          q, k, v, k_cache, v_cache, out_cache_loc, kv_slots, prefix_lens, extend_lens, scale);
+    };
+    switch (q.size(2)) {
+      case 64: return run(std::integral_constant<int, 64>{});
+      case 128: return run(std::integral_constant<int, 128>{});
+      default: return run(std::integral_constant<int, 0>{});
+    }
   });
 }
 
