@@ -1,7 +1,9 @@
-"""Overlap scheduling on and off: two servers on the same model, taking turns in one run.
+"""Overlap scheduling on and off: two servers on the same model, taking turns in one run (or,
+with --compare fused-layers, cpu_attn's decoder layers in one call and as modules op by op).
 
     python benchmarks/bench_overlap.py [--rounds 3 --num-requests 64 --input-len 128
                                         --output-len 128 --latency-requests 8]
+                                       [--compare fused-layers]
 
 Each round runs, on each server in turn (which goes first alternates): 64 streaming greedy
 requests at once (throughput), then requests one at a time (latency: ITL at concurrency 1).
@@ -23,7 +25,14 @@ from radixserve.client import AsyncClient
 from radixserve.client.local_server import launched_server
 from radixserve.model_worker.model_source import resolve_model_path
 
-MODES = {"overlap": ["--enable-overlap-schedule"], "no overlap": ["--disable-overlap-schedule"]}
+# The two servers of each comparison: name -> flags; the ratios are first / second.
+COMPARISONS = {
+    "overlap": {
+        "overlap": ["--enable-overlap-schedule"],
+        "no overlap": ["--disable-overlap-schedule"],
+    },
+    "fused-layers": {"fused layers": [], "modules": ["--disable-fused-layers"]},
+}
 
 
 async def greedy_outputs(address: str, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -56,7 +65,10 @@ def main() -> None:
     parser.add_argument("--equality-prompts", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--server-args", default="", help="extra launch.py flags, one string")
+    parser.add_argument("--compare", choices=list(COMPARISONS), default="overlap")
     args = parser.parse_args()
+    modes = COMPARISONS[args.compare]
+    first, second = modes
 
     from transformers import AutoTokenizer
 
@@ -70,7 +82,7 @@ def main() -> None:
     with ExitStack() as stack:
         servers = {
             mode: stack.enter_context(launched_server(*common, *flags))
-            for mode, flags in MODES.items()
+            for mode, flags in modes.items()
         }
         outputs = {
             mode: asyncio.run(greedy_outputs(s.address, equality_prompts, 64))
@@ -103,7 +115,7 @@ def main() -> None:
     )
     print()
     for load in (f"{args.num_requests} at once", "one at a time"):
-        on, off = results[f"overlap, {load}"], results[f"no overlap, {load}"]
+        on, off = results[f"{first}, {load}"], results[f"{second}, {load}"]
         tput = statistics.median(r.throughput for r in on) / statistics.median(
             r.throughput for r in off
         )
@@ -112,8 +124,8 @@ def main() -> None:
         )
         rounds = ", ".join(f"{a.throughput / b.throughput:.3f}" for a, b in zip(on, off))
         print(
-            f"{load}: throughput overlap / no overlap {tput:.3f}x (medians; per round {rounds}), "
-            f"ITL p50 overlap / no overlap {itl:.3f}x"
+            f"{load}: throughput {first} / {second} {tput:.3f}x (medians; per round {rounds}), "
+            f"ITL p50 {first} / {second} {itl:.3f}x"
         )
 
 
