@@ -52,23 +52,21 @@ def category(op: str) -> str:
     return "small ops"
 
 
-def profile(runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> None:
-    for i in rows:
-        seqs.tokens[i].append(7)
-    forward(runner, seqs, rows)  # warm-up
+def timed_steps(runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> float:
+    """Seconds per decode step of `rows`, over `steps` steps."""
     start = time.perf_counter()
     for _ in range(steps):
         for i in rows:
             seqs.tokens[i].append(7)
         forward(runner, seqs, rows)
-    unprofiled = (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps
+
+
+def profile(runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> None:
+    timed_steps(runner, seqs, rows, 1)  # warm-up
+    unprofiled = timed_steps(runner, seqs, rows, steps)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            for i in rows:
-                seqs.tokens[i].append(7)
-            forward(runner, seqs, rows)
-        wall = (time.perf_counter() - start) / steps
+        wall = timed_steps(runner, seqs, rows, steps)
     totals: dict[str, float] = defaultdict(float)
     ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     for e in ops:
