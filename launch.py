@@ -12,29 +12,32 @@ is removed either way. Never leaves orphans.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import ipaddress
+import json
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from radixserve.model_worker.model_source import ModelNotFound, resolve_model_path
 from radixserve.process_setup import (
-    HEARTBEAT_INTERVAL_S,
     Heartbeat,
     bound_onednn_caches,
     free_port,
 )
-from radixserve.protocol.internal import ProcessReady
-from radixserve.protocol.wire import MAX_API_KEY_CHARS
-from radixserve.server_args import RankPlacement, ServerArgs, parse_server_args
+from radixserve.protocol.internal import LauncherInput, ProcessFailed, ProcessReady
+from radixserve.server_args import RankPlacement, ServerArgs, parse_server_args, usage_error
 
 logger = logging.getLogger("radixserve")
 
@@ -58,25 +61,23 @@ class Server:
         self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-")  # mode 0700: ours alone
         self.procs: list[mp.Process] = []
         self.heartbeats: list[Heartbeat] = []
+        self.readers: list[Connection] = []  # each child's ready (or failed) message
 
     def start(self) -> None:
         """This node's model processes (every TP rank it hosts, of every replica); on node 0 also
         the data-parallel controller (with several replicas), the detokenizer and the tokenizer
         manager."""
-        readers: dict[Connection, mp.Process] = {}
         for placement in local_placements(self.args):
             target = _run_scheduler if placement.tp_rank == 0 else _run_tp_follower
-            self._start(placement.process_name, target, readers, placement)
+            self._start(placement.process_name, target, placement)
         if self.args.node_rank == 0:
             if self.args.dp_size > 1:
-                self._start("dp_controller", _run_dp_controller, readers)
-            self._start("detokenizer", _run_detokenizer, readers)
-            self._start("tokenizer_manager", _run_tokenizer_manager, readers)
-        self._wait_ready(readers)
+                self._start("dp_controller", _run_dp_controller)
+            self._start("detokenizer", _run_detokenizer)
+            self._start("tokenizer_manager", _run_tokenizer_manager)
+        self._wait_ready()
 
-    def _start(
-        self, name: str, target: Any, readers: dict[Connection, mp.Process], *extra: Any
-    ) -> None:
+    def _start(self, name: str, target: Any, *extra: Any) -> None:
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
         heartbeat = Heartbeat(ctx)
@@ -91,21 +92,24 @@ class Server:
             self.procs.append(proc)
         writer.close()
         self.heartbeats.append(heartbeat)
-        readers[reader] = proc
+        self.readers.append(reader)
 
-    def _wait_ready(self, readers: dict[Connection, mp.Process]) -> None:
-        pending = dict(readers)
+    def _wait_ready(self) -> None:
+        pending = dict(zip(self.readers, self.procs))
         while pending:
-            sentinels = {p.sentinel: p for p in pending.values()}
-            ready = wait([*pending, *sentinels], timeout=READY_TIMEOUT_S)
+            ready = wait(list(pending), timeout=READY_TIMEOUT_S)
             if not ready:
                 raise RuntimeError(f"not ready after {READY_TIMEOUT_S}s: {_names(pending)}")
-            for item in ready:
-                if item in sentinels:
-                    raise RuntimeError(f"{sentinels[item].name} exited while starting")
-                msg = msgspec.msgpack.decode(item.recv_bytes(), type=ProcessReady)
-                logger.info("%s is ready (pid %d)", msg.name, pending[item].pid)
-                del pending[item]
+            for reader in ready:  # readable: a message, or the end of a child that died
+                proc = pending.pop(reader)
+                try:
+                    msg = msgspec.msgpack.decode(reader.recv_bytes(), type=LauncherInput)
+                except (EOFError, OSError):
+                    msg = None
+                if not isinstance(msg, ProcessReady):
+                    reason = msg.reason if isinstance(msg, ProcessFailed) else self._why(proc)
+                    raise RuntimeError(f"{proc.name} failed while starting: {reason}")
+                logger.info("%s is ready (pid %d)", msg.name, proc.pid)
 
     def watch(self) -> str:
         """Block until a child exits or stops beating (hung); returns which, and how."""
@@ -117,8 +121,7 @@ class Server:
             done = wait(list(sentinels), timeout=WATCH_INTERVAL_S)
             if done:
                 proc = sentinels[done[0]]
-                proc.join()
-                return f"{proc.name} exited with code {proc.exitcode}"
+                return f"{proc.name} {self._why(proc)}"
             # A hung TP rank soon stops the others too, waiting in a collective: name the one
             # silent longest, the one that stopped first.
             proc, heartbeat = max(
@@ -126,6 +129,24 @@ class Server:
             )
             if heartbeat.silence() > timeout:
                 return f"{proc.name} stopped answering for {timeout:g}s (--watchdog-timeout)"
+
+    def _why(self, proc: mp.Process) -> str:
+        """Why a child stopped, in words: its own last word, else its exit code or signal."""
+        proc.join(5)  # it has closed its pipe or exited: its exit code comes at once
+        reader = self.readers[self.procs.index(proc)]
+        with contextlib.suppress(EOFError, OSError, msgspec.DecodeError):
+            while reader.poll():
+                msg = msgspec.msgpack.decode(reader.recv_bytes(), type=LauncherInput)
+                if isinstance(msg, ProcessFailed):
+                    return f"failed: {msg.reason}"
+        code = proc.exitcode
+        if code is None:
+            return "closed its pipe to the launcher but is still running"
+        if code < 0 and -code == signal.SIGKILL:
+            return "was killed by SIGKILL (by the OOM killer if memory ran out: see dmesg)"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
 
     def drain(self) -> None:
         """Let the tokenizer manager answer every request in flight and exit (its SIGTERM)."""
@@ -150,33 +171,38 @@ class Server:
 
 
 def _run_scheduler(*args: Any) -> None:
-    from radixserve.scheduler.process import run_scheduler_process
-
-    run_scheduler_process(*args)
+    _run_child("radixserve.scheduler.process", "run_scheduler_process", *args)
 
 
 def _run_tp_follower(*args: Any) -> None:
-    from radixserve.scheduler.process import run_tp_follower
-
-    run_tp_follower(*args)
+    _run_child("radixserve.scheduler.process", "run_tp_follower", *args)
 
 
 def _run_dp_controller(*args: Any) -> None:
-    from radixserve.scheduler.dp_controller import run_dp_controller_process
-
-    run_dp_controller_process(*args)
+    _run_child("radixserve.scheduler.dp_controller", "run_dp_controller_process", *args)
 
 
 def _run_detokenizer(*args: Any) -> None:
-    from radixserve.detokenizer.process import run_detokenizer_process
-
-    run_detokenizer_process(*args)
+    _run_child("radixserve.detokenizer.process", "run_detokenizer_process", *args)
 
 
 def _run_tokenizer_manager(*args: Any) -> None:
-    from radixserve.tokenizer_manager.process import run_tokenizer_manager_process
+    _run_child("radixserve.tokenizer_manager.process", "run_tokenizer_manager_process", *args)
 
-    run_tokenizer_manager_process(*args)
+
+def _run_child(module: str, function: str, *args: Any) -> None:
+    """A child's entry point: an exception ends it with one line to the launcher (which
+    reports it), the traceback only in its log at --log-level debug."""
+    ready_writer: Connection = args[3]
+    name = mp.current_process().name
+    try:
+        getattr(importlib.import_module(module), function)(*args)
+    except Exception as e:
+        logging.getLogger(name).debug("%s failed", name, exc_info=True)
+        with contextlib.suppress(OSError):
+            reason = f"{type(e).__name__}: {e} (--log-level debug shows the traceback)"
+            ready_writer.send_bytes(msgspec.msgpack.encode(ProcessFailed(name, reason)))
+        sys.exit(1)
 
 
 def local_placements(args: ServerArgs) -> list[RankPlacement]:
@@ -196,19 +222,44 @@ def local_placements(args: ServerArgs) -> list[RankPlacement]:
     ]
 
 
-def check_parallel_args(args: ServerArgs) -> str | None:
-    """Why the parallel flags do not fit together, or None."""
-    if min(args.tp_size, args.dp_size, args.nnodes) < 1:
-        return "--tp-size, --dp-size and --nnodes must be at least 1"
-    if args.tp_size % args.nnodes:
-        return f"--tp-size {args.tp_size} does not split over --nnodes {args.nnodes}"
-    if not 0 <= args.node_rank < args.nnodes:
-        return f"--node-rank must be in 0..{args.nnodes - 1}"
-    if args.nnodes > 1 and args.dist_init_addr is None:
-        return "--nnodes above 1 needs --dist-init-addr (node 0's host:port)"
-    if args.dist_init_addr is not None and not args.dist_init_addr.rpartition(":")[2].isdigit():
-        return f"--dist-init-addr {args.dist_init_addr!r} is not host:port"
+def check_fit(args: ServerArgs, model_path: str) -> str | None:
+    """Why these flags do not fit the model or this machine, or None: checked before any
+    process starts, so that a mistake is one line, not a traceback from each child."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    heads = config.get("num_attention_heads", 1)
+    kv_heads = config.get("num_key_value_heads") or heads
+    tp = args.tp_size
+    if heads % tp:
+        return f"--tp-size {tp} does not divide the model's {heads} attention heads"
+    if (kv_heads % tp) if kv_heads >= tp else (tp % kv_heads):
+        return f"--tp-size {tp} and the model's {kv_heads} KV heads do not divide one another"
+    processes = args.dp_size * args.tp_size // args.nnodes
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not Path("/dev/nvidiactl").exists())
+    if on_cpu and cores is not None and processes > cores:
+        return (
+            f"--dp-size {args.dp_size} x --tp-size {args.tp_size} is {processes} model processes "
+            f"on this node, which has {cores} cores"
+        )
+    ports = [("--port", args.port)] + ([("--http-port", args.http_port)] if args.http_port else [])
+    for flag, port in ports:
+        if not _port_free(args.host, port):
+            return f"{flag} {port} is in use on {args.host}"
     return None
+
+
+def _port_free(host: str, port: int) -> bool:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return True  # a host that does not resolve: the bind reports it
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ and uvicorn bind
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _warn_if_reachable(args: ServerArgs) -> None:
@@ -251,21 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="[%(asctime)s launch] %(message)s", datefmt="%H:%M:%S"
     )
-    if args.watchdog_timeout < 2 * HEARTBEAT_INTERVAL_S:
-        logger.error("--watchdog-timeout must be at least %gs", 2 * HEARTBEAT_INTERVAL_S)
-        return 2
-    # An empty key would turn authentication off in silence; a longer one could never match,
-    # since a request's api_key is refused past that length.
-    if args.api_key is not None and not 0 < len(args.api_key) <= MAX_API_KEY_CHARS:
-        logger.error("--api-key must have 1 to %d characters", MAX_API_KEY_CHARS)
-        return 2
-    if args.enable_overlap_schedule and args.disable_overlap_schedule:
-        logger.error("--enable-overlap-schedule and --disable-overlap-schedule contradict")
-        return 2
-    mistake = check_parallel_args(args)
-    if mistake is not None:
-        logger.error("%s", mistake)
-        return 2
     signal.signal(signal.SIGINT, _raise_shutdown)
     signal.signal(signal.SIGTERM, _raise_shutdown)
     try:
@@ -276,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     except Shutdown as sig:
         logger.info("%s received; shutting down", sig)
         return 0
+    mistake = check_fit(args, model_path)
+    if mistake is not None:
+        usage_error(mistake)
     _warn_if_reachable(args)
     bound_onednn_caches()
     server = Server(args, model_path)

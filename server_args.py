@@ -6,12 +6,17 @@ Importing this module must stay cheap: `launch.py --help` parses with it before 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import typing
+from typing import NoReturn
 
 import msgspec
 
 from radixserve.model_worker.model_source import DEFAULT_MODEL
+from radixserve.protocol.wire import MAX_API_KEY_CHARS
+
+API_KEY_ENV = "RADIXSERVE_API_KEY"  # --api-key's default: a key on the command line shows in ps
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,7 +151,8 @@ _HELP = {
     "max_total_reply_backlog_bytes": "replies held for all slow clients together; past it, the "
     "requests of the client with the most unread are aborted with an `overloaded` error",
     "api_key": "require this key of every request but a health check: in the `api_key` field "
-    "over ZMQ, as `Authorization: Bearer KEY` over HTTP (default: none)",
+    "over ZMQ, as `Authorization: Bearer KEY` over HTTP (default: $RADIXSERVE_API_KEY, which "
+    "unlike a flag does not show in `ps`; else none)",
     "watchdog_timeout": "seconds a server process may go without a heartbeat before the server "
     "is stopped as hung",
     "shutdown_timeout": "on SIGTERM, seconds that requests in flight may take to finish before "
@@ -166,6 +172,76 @@ _CHOICES = {
     "load_balance_method": ("round_robin", "cache_aware"),
     "log_level": ("debug", "info", "warning", "error"),
 }
+
+
+# The range of every number: (least, greatest), None where open. Checked before any process starts.
+_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "port": (1, 65535),
+    "http_port": (0, 65535),
+    "context_length": (1, None),
+    "max_total_tokens": (1, None),
+    "mem_fraction_static": (0.01, 1.0),
+    "max_running_requests": (1, None),
+    "max_prefill_tokens": (1, None),
+    "chunked_prefill_size": (-1, None),  # and not 0, below
+    "page_size": (1, None),
+    "random_seed": (0, 2**64 - 1),
+    "num_threads": (1, None),
+    "tp_size": (1, None),
+    "dp_size": (1, None),
+    "nnodes": (1, None),
+    "node_rank": (0, None),
+    "log_interval": (1, None),
+    "max_request_bytes": (1024, None),
+    "max_queued_requests": (1, None),
+    "max_reply_backlog_bytes": (1, None),
+    "max_total_reply_backlog_bytes": (1, None),
+    # Twice the heartbeat interval (process_setup.HEARTBEAT_INTERVAL_S): a live child beats
+    # at least once per timeout.
+    "watchdog_timeout": (1.0, None),
+    "shutdown_timeout": (0.0, None),
+}
+
+
+def check_server_args(args: ServerArgs) -> str | None:
+    """Why these flags cannot serve, or None: every number in its range, the flags that must
+    agree with each other. What needs the model or the machine is checked by launch.py."""
+    for name, (least, greatest) in _RANGES.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{flag} must be a finite number, not {value}"
+        if least is not None and value < least:
+            return f"{flag} must be at least {least}, not {value}"
+        if greatest is not None and value > greatest:
+            return f"{flag} must be at most {greatest}, not {value}"
+    if args.chunked_prefill_size == 0:
+        return "--chunked-prefill-size must be -1 (no chunking) or at least 1, not 0"
+    if args.http_port == args.port:
+        return f"--port and --http-port are both {args.port}"
+    # An empty key would turn authentication off in silence.
+    if args.api_key is not None and not 0 < len(args.api_key) <= MAX_API_KEY_CHARS:
+        return f"--api-key must have 1 to {MAX_API_KEY_CHARS} characters"
+    if args.enable_overlap_schedule and args.disable_overlap_schedule:
+        return "--enable-overlap-schedule and --disable-overlap-schedule contradict each other"
+    return check_parallel_args(args)
+
+
+def check_parallel_args(args: ServerArgs) -> str | None:
+    """Why the parallel flags do not fit together, or None."""
+    if min(args.tp_size, args.dp_size, args.nnodes) < 1:
+        return "--tp-size, --dp-size and --nnodes must be at least 1"
+    if args.tp_size % args.nnodes:
+        return f"--tp-size {args.tp_size} does not split over --nnodes {args.nnodes}"
+    if not 0 <= args.node_rank < args.nnodes:
+        return f"--node-rank must be in 0..{args.nnodes - 1}"
+    if args.nnodes > 1 and args.dist_init_addr is None:
+        return "--nnodes above 1 needs --dist-init-addr (node 0's host:port)"
+    if args.dist_init_addr is not None and not args.dist_init_addr.rpartition(":")[2].isdigit():
+        return f"--dist-init-addr {args.dist_init_addr!r} is not host:port"
+    return None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -190,8 +266,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         )
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, not the usage of 40 flags above it; exit code 2 as argparse's."""
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="radixserve",
         description="Serve an LLM: clients send msgpack requests over ZMQ to tcp://HOST:PORT, "
         "or HTTP (OpenAI's API) to http://HOST:HTTP_PORT. "
@@ -202,4 +284,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
-    return ServerArgs(**vars(build_parser().parse_args(argv)))
+    """The flags, checked: a mistake exits with argparse's one-line error and code 2."""
+    parser = build_parser()
+    args = ServerArgs(**vars(parser.parse_args(argv)))
+    if args.api_key is None and API_KEY_ENV in os.environ:
+        args = msgspec.structs.replace(args, api_key=os.environ[API_KEY_ENV])
+    mistake = check_server_args(args)
+    if mistake is not None:
+        parser.error(mistake)
+    return args
+
+
+def usage_error(message: str) -> NoReturn:
+    """A flag that does not fit the model or the machine, found after parsing: the same
+    one-line error and exit code 2 as a flag argparse refuses."""
+    build_parser().error(message)

@@ -155,5 +155,15 @@ TokenizerManagerInput = (
 # ---- any child -> launch.py --------------------------------------------------------------------
 
 
-class ProcessReady(msgspec.Struct):
+class ProcessReady(msgspec.Struct, tag=True):
     name: str
+
+
+class ProcessFailed(msgspec.Struct, tag=True):
+    """A child's last word: why it stopped (its traceback is in its log at --log-level debug)."""
+
+    name: str
+    reason: str
+
+
+LauncherInput = ProcessReady | ProcessFailed

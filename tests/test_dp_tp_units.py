@@ -9,12 +9,12 @@ import torch
 from test_sampler import make_info
 from test_tensor_parallel import make_batch
 
-from radixserve.launch import check_parallel_args, local_placements
+from radixserve.launch import local_placements
 from radixserve.model_worker.batch_codec import decode_batch, encode_batch
 from radixserve.scheduler.dp_controller import sum_server_info
 from radixserve.scheduler.dp_router import PAGE_TOKENS, CacheAwareRouter, RoundRobinRouter
 from radixserve.scheduler.seen_tokens import SeenTokens
-from radixserve.server_args import ServerArgs
+from radixserve.server_args import ServerArgs, check_parallel_args
 
 
 def assert_same(a: object, b: object) -> None:

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from radixserve.client.local_server import REPO_ROOT, LaunchedServer, free_port
 from radixserve.model_worker.model_runner import CPU_KV_MEMORY_FRACTION, CPU_MAX_KV_TOKENS
-from radixserve.server_args import build_parser
+from radixserve.server_args import build_parser, parse_server_args
 
 
 def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -124,3 +127,100 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """parse_server_args's error for these flags: one line, exit code 2."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_server_args(list(argv))
+    assert exit_.value.code == 2, argv
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("radixserve: error: "), err
+    return err
+
+
+def test_every_number_is_checked_before_anything_starts(capsys: pytest.CaptureFixture[str]):
+    wrong = {
+        ("--page-size", "0"): "--page-size must be at least 1, not 0",
+        ("--max-prefill-tokens", "0"): "--max-prefill-tokens must be at least 1",
+        ("--chunked-prefill-size", "0"): "-1 (no chunking) or at least 1",
+        ("--mem-fraction-static", "1.5"): "--mem-fraction-static must be at most 1.0",
+        ("--watchdog-timeout", "nan"): "--watchdog-timeout must be a finite number",
+        ("--port", "70000"): "--port must be at most 65535",
+        ("--port", "30000", "--http-port", "30000"): "are both 30000",
+        ("--max-queued-requests", "0"): "--max-queued-requests must be at least 1",
+        ("--dp-size", "0"): "--dp-size must be at least 1",
+        ("--api-key", ""): "--api-key must have 1 to",
+    }
+    for argv, message in wrong.items():
+        assert message in refusal(capsys, *argv), argv
+
+
+def test_flags_that_do_not_fit_the_model_or_machine_are_one_line_and_exit_2():
+    """The default model has 9 heads: --tp-size 2 was three tracebacks (two children and the
+    launcher's EOFError)."""
+    out = launch("--tp-size", "2")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "radixserve: error: --tp-size 2 does not divide the model's 9 attention heads "
+        "(--help lists the flags)"
+    ]
+    out = launch("--dp-size", str(len(os.sched_getaffinity(0)) + 1), "--device", "cpu")
+    assert out.returncode == 2 and "model processes on this node, which has" in out.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = launch("--http-port", str(port))
+    assert out.returncode == 2 and f"--http-port {port} is in use on 127.0.0.1" in out.stderr
+
+
+def test_the_api_key_comes_from_the_environment_too():
+    os.environ["RADIXSERVE_API_KEY"] = "from-env"
+    try:
+        assert parse_server_args([]).api_key == "from-env"
+        assert parse_server_args(["--api-key", "flag"]).api_key == "flag"
+    finally:
+        del os.environ["RADIXSERVE_API_KEY"]
+    assert "RADIXSERVE_API_KEY" in build_parser().format_help()
+
+
+def start_and_fail(*argv: str, kill_scheduler: bool = False) -> tuple[int, str]:
+    """launch.py with these flags, which fail while it starts: its exit code and log."""
+    port = free_port()
+    with tempfile.NamedTemporaryFile(prefix="radixserve-test-", suffix=".log") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "radixserve.launch", "--port", str(port), "--http-port", "0"]
+            + list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        server = LaunchedServer(proc, f"tcp://127.0.0.1:{port}", Path(log.name))
+        try:
+            if kill_scheduler:
+                deadline = time.monotonic() + 120
+                while not server.server_processes():
+                    assert proc.poll() is None and time.monotonic() < deadline, server.log()
+                    time.sleep(0.02)
+                os.kill(server.server_processes()[0], signal.SIGKILL)  # the first: the scheduler
+            code = proc.wait(300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return code, server.log()
+
+
+def test_a_child_that_fails_while_starting_is_one_line_naming_it_and_why():
+    code, log = start_and_fail("--attention-backend", "cpu_attn", "--dtype", "float16")
+    assert code == 1
+    assert "Traceback" not in log and "EOFError" not in log, log
+    (line,) = [line for line in log.splitlines() if "failed while starting" in line]
+    assert "scheduler failed while starting: ValueError: --attention-backend cpu_attn" in line
+
+
+def test_a_child_killed_while_starting_is_named_with_its_signal():
+    code, log = start_and_fail(kill_scheduler=True)
+    assert code == 1
+    assert "Traceback" not in log, log
+    assert "scheduler failed while starting: was killed by SIGKILL (by the OOM killer" in log
