@@ -61,6 +61,7 @@ class AsyncClient:
     times out, or whose stream is closed early, is aborted on the server. A call made while no
     server is connected raises ConnectionError ("no server at ...") after `connect_timeout`
     seconds. A refused request raises ServerError, whether the server or the client refused it.
+    `api_key`: the server's --api-key, sent with every request (default: $RADIXSERVE_API_KEY).
     Use one event loop.
     """
 
@@ -71,11 +72,12 @@ class AsyncClient:
         timeout: float | None = DEFAULT_TIMEOUT,
         connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        api_key: str | None = None,
     ):
         self.address = address
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        self._codec = WireCodec(max_reply_bytes)
+        self._codec = WireCodec(max_reply_bytes, api_key)
         self._ctx = zmq.asyncio.Context()
         self._sock = connect_dealer(self._ctx, address, connect_timeout)
         self._calls: dict[str, asyncio.Queue[ServerReply | BaseException]] = {}
@@ -109,7 +111,15 @@ class AsyncClient:
         top_logprobs_num: int = 0,
     ) -> OutputReply:
         prepared = prepare_generate(
-            text, input_ids, messages, sampling_params, rid, False, return_logprob, top_logprobs_num
+            text,
+            input_ids,
+            messages,
+            sampling_params,
+            rid,
+            False,
+            return_logprob,
+            top_logprobs_num,
+            self._codec.api_key,
         )
         require_one_completion(prepared.request)
         outputs = self._outputs(prepared)
@@ -135,7 +145,15 @@ class AsyncClient:
         `contextlib.aclosing` to close it at once.
         """
         prepared = prepare_generate(
-            text, input_ids, messages, sampling_params, rid, True, return_logprob, top_logprobs_num
+            text,
+            input_ids,
+            messages,
+            sampling_params,
+            rid,
+            True,
+            return_logprob,
+            top_logprobs_num,
+            self._codec.api_key,
         )
         return self._outputs(prepared)
 

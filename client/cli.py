@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--port", type=int, default=30000, help="server port (default: %(default)s)"
     )
     parser.add_argument(
+        "--api-key",
+        default=None,
+        help="the server's --api-key (default: $RADIXSERVE_API_KEY, which unlike a flag does not "
+        "show in `ps`; else none)",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=DEFAULT_TIMEOUT,
@@ -101,7 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        with Client(tcp_address(args.host, args.port), timeout=args.timeout) as client:
+        address = tcp_address(args.host, args.port)
+        with Client(address, timeout=args.timeout, api_key=args.api_key) as client:
             if args.interactive:
                 converse(client, args)
             elif args.prompt is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any, NamedTuple
 
@@ -24,6 +25,8 @@ DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT = 600.0
 # How long a send waits for a connection to the server before saying there is none.
 DEFAULT_CONNECT_TIMEOUT = 5.0
+# The key a client sends when none is given, as the server reads its own --api-key from it.
+API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
 class ServerError(Exception):
@@ -83,6 +86,7 @@ def prepare_generate(
     stream: bool,
     return_logprob: bool,
     top_logprobs_num: int,
+    api_key: str | None = None,
 ) -> PreparedGenerate:
     """The request's frame, checked by decoding it as the server will: what the server would
     refuse raises ServerError here, before sending, with the server's own message.
@@ -99,6 +103,7 @@ def prepare_generate(
         "stream": stream or None,
         "return_logprob": return_logprob or None,
         "top_logprobs_num": top_logprobs_num or None,
+        "api_key": api_key,
     }
     wire: dict[str, Any] = {"type": "generate", "rid": rid}
     wire.update((name, value) for name, value in given.items() if value is not None)
@@ -110,9 +115,10 @@ def prepare_generate(
 
 
 def require_one_completion(request: GenerateRequest) -> None:
-    # Not a refused request: the server would serve it, but generate() returns one reply.
+    # The server would serve it, but generate() returns one reply: refused before sending.
     if request.sampling_params.n != 1:
-        raise ValueError("generate() returns one completion: use stream() for n > 1")
+        message = "generate() returns one completion: use stream() for n > 1"
+        raise ServerError("invalid_request", message, request.rid)
 
 
 def server_error(reply: ErrorReply) -> ServerError:
@@ -134,12 +140,16 @@ def reply_rid(reply: ServerReply) -> str | None:
 class WireCodec:
     """One msgpack map per frame, as WIRE.md says; replies are decoded straight into structs."""
 
-    def __init__(self, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES):
+    def __init__(self, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES, api_key: str | None = None):
+        """api_key: sent with every request (default: $RADIXSERVE_API_KEY, else none)."""
         self.max_reply_bytes = max_reply_bytes
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ServerReply)
 
     def encode(self, request: ClientRequest) -> bytes:
+        if self.api_key is not None and request.api_key is None:
+            request = msgspec.structs.replace(request, api_key=self.api_key)
         return self._encoder.encode(request)
 
     def decode(self, frame: bytes) -> ServerReply:

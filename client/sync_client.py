@@ -52,6 +52,7 @@ class Client:
     generation that times out is aborted on the server. A call made while no server is
     connected raises ConnectionError ("no server at ...") after `connect_timeout` seconds. A
     refused request raises ServerError, whether the server or the client refused it.
+    `api_key`: the server's --api-key, sent with every request (default: $RADIXSERVE_API_KEY).
     """
 
     def __init__(
@@ -61,11 +62,12 @@ class Client:
         timeout: float | None = DEFAULT_TIMEOUT,
         connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        api_key: str | None = None,
     ):
         self.address = address
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        self._codec = WireCodec(max_reply_bytes)
+        self._codec = WireCodec(max_reply_bytes, api_key)
         self._ctx = zmq.Context()
         self._sock = connect_dealer(self._ctx, address, connect_timeout)
         self._in_flight: dict[str, deque[ServerReply]] = {}  # rid -> replies not yet taken
@@ -92,7 +94,15 @@ class Client:
         top_logprobs_num: int = 0,
     ) -> OutputReply:
         prepared = prepare_generate(
-            text, input_ids, messages, sampling_params, rid, False, return_logprob, top_logprobs_num
+            text,
+            input_ids,
+            messages,
+            sampling_params,
+            rid,
+            False,
+            return_logprob,
+            top_logprobs_num,
+            self._codec.api_key,
         )
         require_one_completion(prepared.request)
         outputs = self._start(prepared)
@@ -114,7 +124,15 @@ class Client:
     ) -> Generator[OutputReply, None, None]:
         """Chunks of new text as they come; closing the iterator early aborts the request."""
         prepared = prepare_generate(
-            text, input_ids, messages, sampling_params, rid, True, return_logprob, top_logprobs_num
+            text,
+            input_ids,
+            messages,
+            sampling_params,
+            rid,
+            True,
+            return_logprob,
+            top_logprobs_num,
+            self._codec.api_key,
         )
         return self._start(prepared)
 

@@ -277,6 +277,35 @@ def test_control_calls(server, client):
         client.flush_cache()
 
 
+def test_an_api_key_goes_with_every_request(server, monkeypatch, capsys):
+    """Client(api_key=...), AsyncClient's too, $RADIXSERVE_API_KEY, and radixserve-client's
+    --api-key: a server run with --api-key would refuse them all without it."""
+    with Client(server.address, api_key="k1") as client:
+        client.generate("hi", rid="a")
+        client.health()
+        chunks = client.stream("long", rid="b")
+        next(chunks)
+        chunks.close()
+        wait_until(lambda: server.aborted == ["b"])
+
+    async def from_async() -> None:
+        async with AsyncClient(server.address, api_key="k2") as client:
+            await client.generate("hi")
+            await client.server_info()
+
+    asyncio.run(from_async())
+    monkeypatch.setenv("RADIXSERVE_API_KEY", "k3")
+    with Client(server.address) as client:
+        client.flush_cache()
+    assert main(["--port", str(server.port), "--health"]) == 0
+    assert main(["--port", str(server.port), "--api-key", "k4", "--health"]) == 0
+    capsys.readouterr()
+    keys = [r.get("api_key") for r in server.raw_requests if r["type"] != "abort"]
+    assert keys == ["k1", "k1", "k1", "k2", "k2", "k3", "k3", "k4"]
+    aborts = [r for r in server.raw_requests if r["type"] == "abort"]
+    assert aborts and all(r["api_key"] == "k1" for r in aborts)
+
+
 def test_timeout_raises_and_aborts(server):
     with Client(server.address, timeout=0.2) as client:
         start = time.monotonic()
@@ -316,8 +345,9 @@ def test_refused_requests_raise_server_error_before_sending(server, client, kwar
 
 
 def test_generate_of_n_completions_is_a_usage_error(server, client):
-    with pytest.raises(ValueError, match="stream"):
-        client.generate("x", sampling_params={"n": 2})
+    with pytest.raises(ServerError, match="stream") as info:  # as the README promises
+        client.generate("x", sampling_params={"n": 2}, rid="two")
+    assert (info.value.code, info.value.rid) == ("invalid_request", "two")
     assert server.frames == []
 
 
@@ -422,7 +452,7 @@ def test_async_errors_timeouts_and_aborts(server):
             server.busy = True
             with pytest.raises(ServerError, match="overloaded"):
                 await client.flush_cache()
-            with pytest.raises(ValueError, match="stream"):
+            with pytest.raises(ServerError, match="stream"):
                 await client.generate("x", sampling_params={"n": 2})
             with pytest.raises(ServerError, match="top_p"):
                 await client.generate("x", sampling_params={"top_p": 0})

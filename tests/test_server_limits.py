@@ -112,7 +112,9 @@ def test_a_public_bind_is_warned_about(caplog, host, warns):
 @pytest.mark.parametrize("key", ["", "k" * (MAX_API_KEY_CHARS + 1)])
 def test_an_api_key_that_could_not_work_is_refused_at_start(key):
     """Empty would turn authentication off; longer than a request may carry could never match."""
-    assert launch_main(["--api-key", key]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        launch_main(["--api-key", key])
+    assert exit_.value.code == 2
 
 
 def test_an_error_quotes_a_bounded_part_of_the_request():
