@@ -33,7 +33,8 @@ def build_app(manager: TokenizerManager) -> Starlette:
         Route("/health", _errors(native.health), methods=["GET"]),
         Route("/get_model_info", _errors(native.model_info), methods=["GET"]),
         Route("/get_server_info", _errors(native.server_info), methods=["GET"]),
-        Route("/flush_cache", _errors(native.flush_cache), methods=["GET", "POST"]),
+        # It changes state: POST only, which a link or an <img> cannot send.
+        Route("/flush_cache", _errors(native.flush_cache), methods=["POST"]),
         Route("/metrics", _errors(native.metrics), methods=["GET"]),
         Route("/v1/models", _errors(openai.models), methods=["GET"]),
         Route("/v1/completions", _errors(openai.completions), methods=["POST"]),

@@ -29,6 +29,7 @@ STATUS = {
     "unauthorized": 401,
     "not_found": 404,
     "too_large": 413,
+    "unsupported_media_type": 415,
     "overloaded": 503,
     "internal": 500,
 }
@@ -85,7 +86,14 @@ class Front:
             raise HttpError(e.code, "missing or wrong API key (Authorization: Bearer)") from None
 
     async def body(self, request: Request) -> bytes:
-        """The body, refused past --max-request-bytes before it is held whole."""
+        """The body, refused past --max-request-bytes before it is held whole, and unless it says
+        it is JSON: a web page can POST a form or text/plain to 127.0.0.1 without the browser
+        asking first, never application/json."""
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise HttpError(
+                "unsupported_media_type", "the body must be JSON (Content-Type: application/json)"
+            )
         declared = request.headers.get("content-length", "0")
         if not declared.isdigit() or int(declared) > self.max_body_bytes:
             raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")

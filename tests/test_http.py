@@ -144,7 +144,8 @@ def test_errors_have_openais_shape_and_status(oai, model, server):
     error = bad.json()["error"]
     assert error["type"] == "invalid_request_error" and "`x`" in error["message"]
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    nested = httpx.post(f"{server.http_url}/v1/completions", content=deep)
+    json_type = {"Content-Type": "application/json"}
+    nested = httpx.post(f"{server.http_url}/v1/completions", content=deep, headers=json_type)
     assert nested.status_code == 400 and "nested" in nested.json()["error"]["message"]
     too_long = httpx.post(
         f"{server.http_url}/generate", json={"input_ids": [5] * 2000, "stream": True}
@@ -168,6 +169,24 @@ def test_native_endpoints(server, zmq_client):
     assert info["architecture"] == "LlamaForCausalLM"
     assert "kv_tokens_total" in httpx.get(f"{url}/get_server_info").json()
     assert httpx.post(f"{url}/flush_cache").json()["success"]
+
+
+def test_state_changes_are_post_only_and_bodies_json_only(server, model):
+    """What a web page could send to 127.0.0.1 without the browser asking first (a GET, a form,
+    text/plain) changes nothing and starts nothing."""
+    url = server.http_url
+    assert httpx.get(f"{url}/flush_cache").status_code == 405
+    body = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 1}})
+    before = _metrics(url)["radixserve:num_requests_total"]
+    for kind in (None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        headers = {"Content-Type": kind} if kind else {}
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            refused = httpx.post(f"{url}{path}", content=body, headers=headers)
+            assert refused.status_code == 415, (kind, path, refused.text)
+            assert refused.json()["error"]["code"] == "unsupported_media_type"
+    charset = {"Content-Type": "application/json; charset=utf-8"}
+    assert httpx.post(f"{url}/generate", content=body, headers=charset).status_code == 200
+    assert _metrics(url)["radixserve:num_requests_total"] == before + 1
 
 
 @pytest.mark.parametrize("stream", [True, False])
