@@ -46,6 +46,10 @@ WATCH_INTERVAL_S = 0.5  # how often the heartbeats are read
 DRAIN_MARGIN_S = 15  # beyond --shutdown-timeout: aborting, and delivering the last replies
 
 
+# Each drains: SIGHUP too, which a closed terminal or `systemctl reload`-style tooling sends.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class Shutdown(Exception):
     pass
 
@@ -87,7 +91,7 @@ class Server:
             daemon=True,
             args=(self.args, self.model_path, self.ipc_dir, writer, heartbeat, *extra),
         )
-        with _sigint_ignored():
+        with _terminal_signals_ignored():
             proc.start()
             self.procs.append(proc)
         writer.close()
@@ -277,20 +281,22 @@ def _warn_if_reachable(args: ServerArgs) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """A child exec'd while SIGINT is ignored starts with it ignored (Python then installs no
-    KeyboardInterrupt handler), so that a Ctrl-C in the terminal, which reaches the whole
-    process group, cannot cut a child's imports short with a traceback: launch.py alone stops
-    the children. SIGINT is blocked meanwhile too: Linux keeps a blocked signal pending even
-    while ignored, so a Ctrl-C that lands while a child starts reaches launch.py's own handler
-    once it is back, instead of being lost."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _terminal_signals_ignored() -> Iterator[None]:
+    """A child exec'd while SIGINT and SIGHUP are ignored starts with them ignored (Python then
+    installs no KeyboardInterrupt handler), so that a Ctrl-C or a closed terminal, which reach
+    the whole process group, cannot cut a child's imports short with a traceback: launch.py
+    alone stops the children. They are blocked meanwhile too: Linux keeps a blocked signal
+    pending even while ignored, so one that lands while a child starts reaches launch.py's own
+    handler once it is back, instead of being lost."""
+    signals = {signal.SIGINT, signal.SIGHUP}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def _names(pending: dict[Connection, mp.Process]) -> str:
@@ -302,8 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="[%(asctime)s launch] %(message)s", datefmt="%H:%M:%S"
     )
-    signal.signal(signal.SIGINT, _raise_shutdown)
-    signal.signal(signal.SIGTERM, _raise_shutdown)
+    code = serve(args)
+    logger.info("stopped (exit code %d)", code)  # the last line, whatever happened
+    return code
+
+
+def serve(args: ServerArgs) -> int:
+    """Start, watch and stop the server; its exit code."""
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, _raise_shutdown)
     try:
         model_path = resolve_model_path(args.model)  # may download or convert: interruptible
     except ModelNotFound as e:
@@ -339,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s; shutting down", e)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the teardown
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for signum in _STOP_SIGNALS:  # a second Ctrl-C must not cut the teardown
+            signal.signal(signum, signal.SIG_IGN)
         server.stop()
 
 

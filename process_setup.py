@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import socket
 import sys
 import time
 from multiprocessing.context import SpawnContext
+
+import setproctitle
 
 from radixserve.server_args import ServerArgs
 
@@ -49,12 +52,16 @@ def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1
         force=True,
     )
     _die_with_parent()
+    # `ps` and `top` show "radixserve: scheduler", not "python3 -B -c from multiprocessing...".
+    setproctitle.setproctitle(f"radixserve: {name}")
     # launch.py alone decides how to stop us (SIGKILL once the tokenizer manager has drained):
     # a SIGTERM or Ctrl-C sent to the whole process group (systemd's default, kill -TERM -PGID)
     # must not end the scheduler under a drain. The tokenizer manager installs its own SIGTERM.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by launch.py's start
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: launch.py drains
+    # Blocked by launch.py while it started us.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGHUP})
     # Every process imports torch (transformers does); its default pool would compete for the
     # cores with the model.
     import torch
@@ -87,10 +94,14 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """If launch.py is killed outright it cannot tear us down: ask the kernel to."""
+    """If launch.py is killed outright it cannot tear us down: ask the kernel to. A parent that
+    died before the request was made sends nothing: then we have a new parent already, and go."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:
+            os._exit(1)
 
 
 def keep_freed_memory() -> None:

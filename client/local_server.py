@@ -53,7 +53,12 @@ class LaunchedServer:
 
     def server_processes(self) -> list[int]:
         """The children that are server processes (spawned by multiprocessing)."""
-        return [pid for pid in self.children() if b"spawn_main" in _cmdline(pid)]
+        # Named "radixserve: <role>" once started (process_setup.configure_process).
+        return [
+            pid
+            for pid in self.children()
+            if b"spawn_main" in _cmdline(pid) or _cmdline(pid).startswith(b"radixserve: ")
+        ]
 
 
 def _cmdline(pid: int) -> bytes:

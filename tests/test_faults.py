@@ -16,9 +16,9 @@ WATCHDOG_S = 2
 
 
 FAULTS = [
-    ("scheduler", signal.SIGKILL, "scheduler exited with code -9"),
-    ("detokenizer", signal.SIGKILL, "detokenizer exited with code -9"),
-    ("tokenizer_manager", signal.SIGKILL, "tokenizer_manager exited with code -9"),
+    ("scheduler", signal.SIGKILL, "scheduler was killed by SIGKILL"),
+    ("detokenizer", signal.SIGKILL, "detokenizer was killed by SIGKILL"),
+    ("tokenizer_manager", signal.SIGKILL, "tokenizer_manager was killed by SIGKILL"),
     # A hang: the process is there, its pipes open, its main loop stopped.
     ("scheduler", signal.SIGSTOP, f"scheduler stopped answering for {WATCHDOG_S}s"),
 ]
@@ -45,5 +45,24 @@ def test_a_dead_or_hung_child_stops_the_server(tiny_served_model, child, sig, na
             f"\n{child} {signal.Signals(sig).name}: server down in {time.monotonic() - start:.1f} s"
         )
         assert named in s.log()
+        assert wait_gone(children) == []
+        assert not os.path.exists(ipc)
+        assert s.log().splitlines()[-1].endswith("stopped (exit code 1)")
+
+
+def test_sighup_drains_like_sigterm_and_ps_names_each_process(tiny_served_model):
+    """A closed terminal sends SIGHUP: the server drains and stops, exit 0, leaving nothing."""
+    with launched_server("--model", str(tiny_served_model), "--num-threads", "1") as s:
+        pids, ipc = child_pids(s), ipc_dir(s)
+        for name, pid in pids.items():
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert f.read().rstrip(b"\0") == f"radixserve: {name}".encode()
+        children = s.children()
+        s.proc.send_signal(signal.SIGHUP)
+        assert s.proc.wait(30) == 0
+        log = s.log()
+        assert "SIGHUP received; answering the requests in flight" in log
+        assert log.splitlines()[-1].endswith("stopped (exit code 0)")
+        assert "Traceback" not in log
         assert wait_gone(children) == []
         assert not os.path.exists(ipc)

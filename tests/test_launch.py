@@ -224,3 +224,31 @@ def test_a_child_killed_while_starting_is_named_with_its_signal():
     assert code == 1
     assert "Traceback" not in log, log
     assert "scheduler failed while starting: was killed by SIGKILL (by the OOM killer" in log
+
+
+ORPHAN = """
+import multiprocessing as mp, os, sys, time
+from pathlib import Path
+
+def child(out):
+    time.sleep(1.5)  # the parent is gone by now: no PDEATHSIG can ever come
+    Path(out, "started").touch()
+    from radixserve.process_setup import _die_with_parent
+    _die_with_parent()
+    Path(out, "survived").touch()
+
+if __name__ == "__main__":
+    mp.get_context("spawn").Process(target=child, args=(sys.argv[1],)).start()
+    os._exit(0)
+"""
+
+
+def test_a_child_whose_parent_died_before_pdeathsig_was_set_exits(tmp_path: Path):
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1)
+    assert (tmp_path / "started").exists() and not (tmp_path / "survived").exists()
