@@ -34,6 +34,9 @@ class OverlapWorker:
         self.worker = worker
         self.future_map = future_map
         self._steps: queue.SimpleQueue[_Step] = queue.SimpleQueue()
+        # CUDA's current device is per thread: this thread takes the one the scheduler's thread
+        # set (build_model_runner), or its forwards and collectives would run on cuda:0.
+        self.cuda_device = _current_cuda_device()
         # A daemon: the process ends by SIGTERM or with its parent, never by joining this.
         self._thread = threading.Thread(target=self._run, name="overlap-worker", daemon=True)
         self._thread.start()
@@ -46,6 +49,8 @@ class OverlapWorker:
         return result
 
     def _run(self) -> None:
+        if self.cuda_device is not None:
+            torch.cuda.set_device(self.cuda_device)
         while True:
             batch, slots, result = self._steps.get()
             try:
@@ -55,3 +60,9 @@ class OverlapWorker:
                 result.set_exception(error)
             else:
                 result.set_result(output)
+
+
+def _current_cuda_device() -> torch.device | None:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())

@@ -20,6 +20,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None  # None: the default group (when size > 1)
+    # Where the collectives' own tensors live: this rank's GPU with NCCL, the CPU with gloo.
+    # Explicit: the current CUDA device is per thread, and the overlap thread runs collectives.
+    device: torch.device = torch.device("cpu")
 
     def shard(self, total: int, what: str) -> tuple[int, int]:
         """(start, length) of this rank's equal share of `total` rows or columns."""
@@ -60,14 +63,14 @@ class TPGroup:
         """The smallest `value` over ranks, so that every rank sizes its KV pool alike."""
         if self.size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.int64, device=_collective_device(self.group))
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's `data` on every rank (the others pass None): its length, then the bytes, each
         as one tensor broadcast. Empty data costs the one broadcast of its length."""
-        device = _collective_device(self.group)
+        device = self.device
         length = torch.tensor([len(data) if data is not None else 0], device=device)
         dist.broadcast(length, group=self.group, group_src=0)
         n = int(length.item())
@@ -88,18 +91,14 @@ def init_tp_group(rank: int, size: int, init_addr: str, device: torch.device) ->
     gloo on the CPU, NCCL on GPUs."""
     if size == 1:
         return TPGroup()
+    nccl = device.type == "cuda"
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        "nccl" if nccl else "gloo",
         init_method=f"tcp://{init_addr}",
         rank=rank,
         world_size=size,
         timeout=DIST_TIMEOUT,
+        device_id=device if nccl else None,  # NCCL binds this rank's communicator to its GPU
     )
-    return TPGroup(rank=rank, size=size)
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     # NCCL only moves CUDA tensors; gloo moves CPU ones.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return TPGroup(rank=rank, size=size, device=device if nccl else torch.device("cpu"))

@@ -50,9 +50,11 @@ logger = logging.getLogger("radixserve.scheduler")
 def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlacement) -> ModelRunner:
     """This rank's shard of the model and its KV pool, once its TP group has met."""
     device = resolve_device(args.device)
-    if device.type == "cuda" and device.index is None and args.tp_size * args.dp_size > 1:
-        local = placement.dp_rank * args.tp_size + placement.tp_rank
-        device = torch.device("cuda", local % torch.cuda.device_count())
+    if device.type == "cuda":
+        if device.index is None:  # one GPU per model process, in placement order
+            local = placement.dp_rank * args.tp_size + placement.tp_rank
+            device = torch.device("cuda", local % torch.cuda.device_count())
+        # Always, cuda:N too: NCCL and the overlap thread take the current device.
         torch.cuda.set_device(device)
     tp = init_tp_group(placement.tp_rank, args.tp_size, placement.dist_init_addr, device)
     checkpoint_dtype = ModelConfig.from_dir(model_path).dtype
