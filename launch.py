@@ -35,6 +35,7 @@ from radixserve.process_setup import (
     Heartbeat,
     bound_onednn_caches,
     free_port,
+    has_reported_ready,
 )
 from radixserve.protocol.internal import LauncherInput, ProcessFailed, ProcessReady
 from radixserve.server_args import RankPlacement, ServerArgs, parse_server_args, usage_error
@@ -195,16 +196,21 @@ def _run_tokenizer_manager(*args: Any) -> None:
 
 
 def _run_child(module: str, function: str, *args: Any) -> None:
-    """A child's entry point: an exception ends it with one line to the launcher (which
-    reports it), the traceback only in its log at --log-level debug."""
+    """A child's entry point: an exception ends it with one line to the launcher, which reports
+    it. While starting (a model that does not fit a flag, say), that line is all; once serving
+    (a bug), the traceback is logged too."""
     ready_writer: Connection = args[3]
     name = mp.current_process().name
     try:
         getattr(importlib.import_module(module), function)(*args)
     except Exception as e:
-        logging.getLogger(name).debug("%s failed", name, exc_info=True)
+        serving = has_reported_ready()
+        logging.getLogger(name).log(
+            logging.ERROR if serving else logging.DEBUG, "%s failed", name, exc_info=True
+        )
+        hint = "" if serving else " (--log-level debug shows the traceback)"
         with contextlib.suppress(OSError):
-            reason = f"{type(e).__name__}: {e} (--log-level debug shows the traceback)"
+            reason = f"{type(e).__name__}: {e}{hint}"
             ready_writer.send_bytes(msgspec.msgpack.encode(ProcessFailed(name, reason)))
         sys.exit(1)
 

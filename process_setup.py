@@ -12,10 +12,13 @@ import signal
 import socket
 import sys
 import time
+from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
 
+import msgspec
 import setproctitle
 
+from radixserve.protocol.internal import ProcessReady
 from radixserve.server_args import ServerArgs
 
 _PR_SET_PDEATHSIG = 1
@@ -40,6 +43,20 @@ class Heartbeat:
     def silence(self) -> float:
         """Seconds since the last beat."""
         return time.monotonic() - self._last.value
+
+
+_ready = False  # whether this process has told launch.py it is ready
+
+
+def report_ready(ready_writer: Connection, name: str) -> None:
+    """Tell launch.py this process is serving: from here on a failure is not a start-up's."""
+    global _ready
+    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady(name)))
+    _ready = True
+
+
+def has_reported_ready() -> bool:
+    return _ready
 
 
 def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1) -> None:

@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 from multiprocessing.connection import Connection
 
-import msgspec
 import zmq
 
 from radixserve.detokenizer.incremental import BatchDecoder, IncrementalDetokenizer
-from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat, configure_process
+from radixserve.process_setup import (
+    HEARTBEAT_INTERVAL_S,
+    Heartbeat,
+    configure_process,
+    report_ready,
+)
 from radixserve.protocol import transport
-from radixserve.protocol.internal import BatchStrOut, BatchTokenOut, ProcessReady
+from radixserve.protocol.internal import BatchStrOut, BatchTokenOut
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -32,7 +36,7 @@ def run_detokenizer_process(
     to_scheduler = transport.connect_push(ctx, ipc_dir, transport.SCHEDULER_INPUT)
     codec = transport.Codec(BatchTokenOut)
 
-    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady(name="detokenizer")))
+    report_ready(ready_writer, "detokenizer")
     ready_writer.close()
     logger.info("ready")
     while True:

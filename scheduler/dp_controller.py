@@ -16,13 +16,17 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
-from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat, configure_process
+from radixserve.process_setup import (
+    HEARTBEAT_INTERVAL_S,
+    Heartbeat,
+    configure_process,
+    report_ready,
+)
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
     FlushCacheOut,
     HealthOut,
     ModelInfoOut,
-    ProcessReady,
     SchedulerInput,
     ServerInfoOut,
     TokenizedGenerateReq,
@@ -134,6 +138,6 @@ def run_dp_controller_process(
 ) -> None:
     configure_process("dp_controller", args)
     controller = DataParallelController(args, ipc_dir)
-    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("dp_controller")))
+    report_ready(ready_writer, "dp_controller")
     logger.info("routing to %d replicas (%s)", args.dp_size, args.load_balance_method)
     controller.event_loop(heartbeat)

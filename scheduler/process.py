@@ -20,6 +20,7 @@ from radixserve.process_setup import (
     configure_process,
     keep_freed_memory,
     release_freed_memory,
+    report_ready,
 )
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
@@ -31,7 +32,6 @@ from radixserve.protocol.internal import (
     HealthReq,
     ModelInfoOut,
     ModelInfoReq,
-    ProcessReady,
     ReqError,
     SchedulerInput,
     ServerInfoOut,
@@ -248,7 +248,7 @@ def run_scheduler_process(
     configure_process(placement.process_name, args, torch_threads=args.threads_per_model_process)
     keep_freed_memory()
     proc = SchedulerProcess(args, model_path, ipc_dir, heartbeat, placement)
-    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady(placement.process_name)))
+    report_ready(ready_writer, placement.process_name)
     proc.event_loop()
 
 
@@ -265,7 +265,7 @@ def run_tp_follower(
     configure_process(name, args, torch_threads=args.threads_per_model_process)
     keep_freed_memory()
     runner = build_model_runner(args, model_path, placement)
-    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady(name)))
+    report_ready(ready_writer, name)
     with torch.inference_mode():
         while True:
             heartbeat.beat()

@@ -6,12 +6,15 @@ import asyncio
 import signal
 from multiprocessing.connection import Connection
 
-import msgspec
 import uvloop
 
 from radixserve.http_server.app import HttpServer, bind
-from radixserve.process_setup import HEARTBEAT_INTERVAL_S, Heartbeat, configure_process
-from radixserve.protocol.internal import ProcessReady
+from radixserve.process_setup import (
+    HEARTBEAT_INTERVAL_S,
+    Heartbeat,
+    configure_process,
+    report_ready,
+)
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager.manager import TokenizerManager
 
@@ -34,7 +37,7 @@ async def _serve(
     ]
     if http is not None:
         loops.append(asyncio.create_task(http.run_on_loop()))
-    ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady("tokenizer_manager")))
+    report_ready(ready_writer, "tokenizer_manager")
     stopping = asyncio.create_task(stop.wait())
     # A loop ending means a bug; let it take the process, and so the server, down.
     done, _ = await asyncio.wait([*loops, stopping], return_when=asyncio.FIRST_COMPLETED)
