@@ -2,11 +2,14 @@
 
     python launch.py [--model DIR_OR_HF_ID] [--port 30000] ...
 
-Waits until every process reports ready, then watches them: if any one exits, or stops beating
-for --watchdog-timeout seconds (hung), all are stopped and it exits non-zero. SIGINT / SIGTERM
-drain: the tokenizer manager stops accepting requests and answers those in flight (finished
-within --shutdown-timeout, or aborted), then all stop and it exits 0. The private IPC directory
-is removed either way. Never leaves orphans.
+Flags that do not fit each other, the model or this machine are refused before any process
+starts (one line, exit code 2). Waits until every process reports ready (one that fails first
+is named in one line, with why), then watches them: if any one exits, or stops beating for
+--watchdog-timeout seconds (hung), all are stopped and it exits non-zero. SIGINT / SIGTERM /
+SIGHUP drain: the tokenizer manager stops accepting requests and answers those in flight
+(finished within --shutdown-timeout, or aborted), then all stop and it exits 0. The private IPC
+directory is removed either way. Never leaves orphans. The last line it logs is "stopped (exit
+code N)".
 """
 
 from __future__ import annotations
