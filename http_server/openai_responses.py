@@ -120,26 +120,14 @@ def chunk_body(
     return body
 
 
-def choice(reply: OutputReply, n: int, text: str, chat: bool, logprobs: Any) -> dict[str, Any]:
-    """A whole choice (not streamed)."""
-    body: dict[str, Any] = {"index": choice_index(reply, n)}
-    if chat:
-        body["message"] = {"role": "assistant", "content": text}
-    else:
-        body["text"] = text
-    body["logprobs"] = logprobs
-    body["finish_reason"] = finish_reason(reply)
-    return body
-
-
-def chunk_choice(reply: OutputReply, n: int, chat: bool, first: bool, logprobs: Any) -> dict:
-    """A streamed piece of a choice: the new text (a chat's first piece names the role)."""
-    body: dict[str, Any] = {"index": choice_index(reply, n)}
-    if chat:
-        delta = {"role": "assistant", "content": reply.text} if first else {"content": reply.text}
-        body["delta"] = delta
-    else:
-        body["text"] = reply.text
-    body["logprobs"] = logprobs
-    body["finish_reason"] = finish_reason(reply)
-    return body
+def choice(
+    reply: OutputReply, n: int, fields: dict[str, Any], logprobs: Any, reason: str | None
+) -> dict[str, Any]:
+    """A choice, whole or a streamed piece of it: `fields` are its `text`, `message` or
+    `delta`."""
+    return {
+        "index": choice_index(reply, n),
+        **fields,
+        "logprobs": logprobs,
+        "finish_reason": reason,
+    }

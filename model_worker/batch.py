@@ -28,6 +28,17 @@ class PenaltyTokens:
 
 
 @dataclass(slots=True)
+class LogitBias:
+    """Additions to some logits, one entry per (sequence, token), flat: the requests'
+    `logit_bias`, and -inf on the stop tokens of those still short of `min_new_tokens`. A pair
+    may come twice (a bias and a mask); the additions then sum."""
+
+    batch_rows: torch.Tensor  # int64 [E]
+    token_ids: torch.Tensor  # int64 [E]
+    biases: torch.Tensor  # float32 [E]
+
+
+@dataclass(slots=True)
 class SamplingBatchInfo:
     """Per-sequence sampling parameters, one row per sequence of the batch (CPU tensors), and the
     tokens penalties read: everything sampling needs, so the worker keeps no per-request state."""
@@ -47,6 +58,7 @@ class SamplingBatchInfo:
     penalty_tokens: PenaltyTokens | None  # None: no sequence has a penalty
     is_all_greedy: bool  # no row samples: argmax, unless penalties change the logits
     any_logprob: bool
+    logit_bias: LogitBias | None = None  # None: no sequence has a bias or a minimum length
 
     @property
     def has_penalties(self) -> bool:

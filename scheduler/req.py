@@ -140,7 +140,8 @@ def make_req(msg: TokenizedGenerateReq, config: SchedulerConfig) -> Req | ReqErr
     # so an unclipped one could be accepted here and never admitted, blocking the queue.
     max_new = min(params.max_new_tokens, config.context_len - n_prompt)
     if max_new != params.max_new_tokens:
-        params = msgspec.structs.replace(params, max_new_tokens=max_new)
+        min_new = min(params.min_new_tokens, max_new)
+        params = msgspec.structs.replace(params, max_new_tokens=max_new, min_new_tokens=min_new)
     peak = n_prompt + max_new
     if peak > config.max_total_tokens:
         return ReqError(
