@@ -142,6 +142,11 @@ class OpenAIApi:
         return await self._respond(request, req, [generate], sent, choices)
 
     async def _decode(self, request: Request, decoder: msgspec.json.Decoder) -> Any:
+        req = await self._decoded(request, decoder)
+        _checked(protocol.check_token_ids, req, self.front.manager.tokenization.vocab_size)
+        return req
+
+    async def _decoded(self, request: Request, decoder: msgspec.json.Decoder) -> Any:
         self.front.authorize(request)
         body = await self.front.body(request)
         try:

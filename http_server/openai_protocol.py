@@ -207,6 +207,17 @@ def _first_named(message: str) -> str:
     return message.split(" ", 1)[0].replace("max_new_tokens", "max_tokens")
 
 
+def check_token_ids(req: _OpenAIRequest, vocab_size: int) -> None:
+    """Token ids the request names (logit_bias, stop_token_ids) are in the vocabulary."""
+    for field, ids in (
+        ("logit_bias", req.logit_bias or {}),
+        ("stop_token_ids", req.stop_token_ids or []),
+    ):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BadField(field, f"{field} holds {bad}, outside the vocabulary [0, {vocab_size})")
+
+
 def max_new_tokens(requested: int | None, default: int | None, prompt: int, context: int) -> int:
     """The output's length limit: max_tokens when given, and then prompt + it must fit the
     context (a 400, as vLLM's); else `default`, else what the context leaves (as vLLM and
