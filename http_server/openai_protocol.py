@@ -252,6 +252,8 @@ def completion_generates(
             stream=req.stream,
             return_logprob=req.logprobs is not None,
             top_logprobs_num=top,
+            # Echoed with logprobs: the prompt's too (lm-eval's loglikelihood requests).
+            logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
         )
         generates.append(generate)
     return generates, sent

@@ -74,6 +74,10 @@ class SampleOutput:
     token_logprobs: torch.Tensor | None = None  # float32 [B]: of the chosen token
     top_logprobs: torch.Tensor | None = None  # float32 [B, K], K = max(top_logprobs_nums)
     top_logprob_ids: torch.Tensor | None = None  # int64 [B, K]
+    # With the batch's prompt_logprob_rows: each row's logprob of its target, and its top K.
+    prompt_logprobs: torch.Tensor | None = None  # float32 [R]
+    prompt_top_logprobs: torch.Tensor | None = None  # float32 [R, K], K = prompt_top_logprobs_num
+    prompt_top_logprob_ids: torch.Tensor | None = None  # int64 [R, K]
 
 
 @dataclass(slots=True)
@@ -85,6 +89,11 @@ class ModelWorkerBatch:
     extend_lens: torch.Tensor  # int64 [B]
     kv_slots: torch.Tensor  # int64 [B, max(seq_lens)]
     sampling: SamplingBatchInfo
+    # Prompt logprobs (SGLang's input_token_logprobs): packed token rows whose logits give the
+    # logprob of the prompt token after them, that token, and how many top tokens to list.
+    prompt_logprob_rows: torch.Tensor | None = None  # int64 [R]
+    prompt_logprob_targets: torch.Tensor | None = None  # int64 [R]
+    prompt_top_logprobs_num: int = 0
 
     @property
     def batch_size(self) -> int:

@@ -122,6 +122,9 @@ class GenerateRequest(_Request, tag="generate"):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # SGLang's: with return_logprob, the logprobs of the prompt's tokens from this position on
+    # (input_token_logprobs); -1: none. The prompt is then computed whole, never from the cache.
+    logprob_start_len: int = -1
 
     def __post_init__(self) -> None:
         given = [f for f in ("text", "input_ids", "messages") if getattr(self, f) is not None]
@@ -131,6 +134,8 @@ class GenerateRequest(_Request, tag="generate"):
             raise ValueError(f"{given[0]} must not be empty")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.logprob_start_len < -1:
+            raise ValueError("logprob_start_len must be -1 (none) or a prompt position")
         check_rid(self.rid)
 
 
@@ -189,6 +194,10 @@ class MetaInfo(msgspec.Struct, omit_defaults=True):
     e2e_latency: float
     output_token_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # With logprob_start_len, on the final reply: the prompt's tokens from it on. The prompt's
+    # first token has no logprob (None), nor top tokens ([]).
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 class _Reply(msgspec.Struct, tag_field="type", omit_defaults=True):

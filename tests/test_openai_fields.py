@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from radixserve.client.local_server import LaunchedServer, launched_server
 
@@ -23,6 +24,8 @@ def server(tiny_served_model) -> Iterator[LaunchedServer]:
     flags = (
         *("--model", str(tiny_served_model), "--dtype", "float32", "--served-model-name", NAME),
         *("--context-length", str(CONTEXT), "--max-total-tokens", "4096"),
+        *("--chunked-prefill-size", "48"),  # prompt logprobs come over several chunks
+        "--enable-overlap-schedule",  # the step after a chunk is planned before its logprobs
         *("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3"),
     )
     with launched_server(*flags) as s:
@@ -235,3 +238,42 @@ def test_tools_auto_none_and_required(oai):
             ),
             "tool_choice",
         )
+
+
+def test_echo_loglikelihood_equals_a_transformers_forward(oai, tokenizer, tiny_served_model):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 0) over a prompt of three
+    prefill chunks: the prompt's token logprobs equal transformers' within 1e-3 in float32, the
+    first null; asked again (the prompt now in the prefix cache) and as token ids, the same."""
+    text = " ".join(f"word{i}" for i in range(40))
+    ids = tokenizer(text).input_ids
+    assert 96 < len(ids) < CONTEXT
+    model = AutoModelForCausalLM.from_pretrained(tiny_served_model, dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [logprobs[q - 1, ids[q]].item() for q in range(1, len(ids))]
+    for prompt in (text, text, ids):
+        out = oai.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+        (choice,) = out.choices
+        assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+        assert choice.text == tokenizer.decode(ids) if prompt is ids else choice.text == text
+        got = choice.logprobs.token_logprobs
+        assert len(got) == len(ids) and got[0] is None
+        assert max(abs(a - b) for a, b in zip(got[1:], expected)) < 1e-3
+        assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in ids]
+        top = choice.logprobs.top_logprobs
+        assert top[0] is None
+        for q in range(1, len(ids)):
+            ((_, best),) = top[q].items()
+            assert abs(best - logprobs[q - 1].max().item()) < 1e-3
+    # With a completion after it: the prompt's logprobs, then the new tokens'.
+    more = oai.completions.create(
+        model=NAME, prompt=text, echo=True, logprobs=0, max_tokens=3, temperature=0
+    )
+    (choice,) = more.choices
+    plain = oai.completions.create(model=NAME, prompt=text, max_tokens=3, temperature=0)
+    assert choice.text == text + plain.choices[0].text
+    assert len(choice.logprobs.token_logprobs) == len(ids) + 3
+    assert (
+        max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs[1 : len(ids)], expected))
+        < 1e-3
+    )
