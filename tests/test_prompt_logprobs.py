@@ -12,6 +12,7 @@ from fake_worker import FakeModelWorker, reference_tokens
 from test_scheduler import gen, make_scheduler
 
 from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
+from radixserve.model_worker.batch_codec import decode_batch, encode_batch
 from radixserve.scheduler.scheduler import Scheduler
 
 
@@ -24,6 +25,11 @@ class PromptLogprobWorker(FakeModelWorker):
         out = super().forward(batch)
         rows, targets = batch.prompt_logprob_rows, batch.prompt_logprob_targets
         if rows is not None and targets is not None:
+            # The batch reaches other TP ranks with its prompt rows.
+            again = decode_batch(encode_batch(batch))
+            assert again.prompt_logprob_rows is not None
+            assert torch.equal(again.prompt_logprob_rows, rows)
+            assert again.prompt_top_logprobs_num == batch.prompt_top_logprobs_num
             positions = batch.positions[rows].tolist()
             values = [fake_logprob(p, t) for p, t in zip(positions, targets.tolist())]
             k = batch.prompt_top_logprobs_num
