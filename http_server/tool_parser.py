@@ -23,6 +23,7 @@ from radixserve.http_server.reasoning_parser import held_back
 
 TOOL_CALL_PARSERS = ("qwen25", "llama3")
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
 
 
 @dataclass(slots=True)
@@ -74,6 +75,8 @@ class _Qwen25:
         self.in_call = False
         self.count = 0  # calls begun
         self.named = False  # the current call's name went out
+        self.args_start: int | None = None  # where its arguments' JSON begins in the buffer
+        self.args_sent = 0  # characters of it streamed
 
     def feed(self, text: str) -> Parsed:
         self.buffer += text
@@ -89,10 +92,12 @@ class _Qwen25:
                 self._content(out, self.buffer[:start])
                 self.buffer = self.buffer[start + len(self.START) :]
                 self.in_call, self.named = True, False
+                self.args_start, self.args_sent = None, 0
                 continue
             end = self.buffer.find(self.END)
             if end < 0:
                 self._name_early(out)
+                self._arguments_early(out)
                 return out
             body, self.buffer = self.buffer[:end], self.buffer[end + len(self.END) :]
             self.in_call = False
@@ -125,19 +130,42 @@ class _Qwen25:
         self.count += 1
         self.named = True
 
+    def _arguments_early(self, out: Parsed) -> None:
+        """The arguments' JSON text as it comes, once the name went out. The last `}` and what
+        follows it are held back: they may close the call rather than the arguments."""
+        if not self.named:
+            return
+        if self.args_start is None:
+            match = _ARGUMENTS.search(self.buffer)
+            if match is None or not self.buffer[match.end() :].startswith("{"):
+                return  # an arguments string, or not yet there: it goes whole at the end
+            self.args_start = match.end()
+        text = self.buffer[self.args_start :]
+        last = text.rfind("}")
+        safe = text if last < 0 else text[:last]
+        if len(safe) > self.args_sent:
+            out.calls.append(CallDelta(self.count - 1, safe[self.args_sent :]))
+            self.args_sent = len(safe)
+
     def _close(self, out: Parsed, body: str, as_text: str) -> None:
         parsed = call_json(body.strip(), "arguments")
-        if parsed is None:
-            if self.named:  # its name went out: the rest goes as its arguments
-                out.calls.append(CallDelta(self.count - 1, "{}"))
-            else:
-                out.content += as_text
+        if parsed is None and not self.named:
+            out.content += as_text
             return
-        name, arguments = parsed
         if not self.named:
+            assert parsed is not None
+            name, arguments = parsed
             out.calls.append(CallDelta(self.count, "", new_call_id(), name))
+            out.calls.append(CallDelta(self.count, arguments))
             self.count += 1
-        out.calls.append(CallDelta(self.count - 1, arguments))
+            return
+        # Its name (and maybe part of its arguments) went out: the rest of its arguments.
+        if self.args_start is not None:
+            raw = body[self.args_start :].rstrip().removesuffix("}").rstrip()
+            rest = raw[self.args_sent :]
+        else:
+            rest = "{}" if parsed is None else parsed[1]
+        out.calls.append(CallDelta(self.count - 1, rest))
 
 
 class _Llama3:

@@ -90,10 +90,14 @@ def test_qwen25_streamed_name_first_then_arguments(size):
         mine = [d for d in deltas if d.index == index]
         assert mine[0].id is not None and mine[0].name and mine[0].arguments == ""
         assert all(d.id is None and d.name is None for d in mine[1:])
-    assert merge_calls(deltas) == [
-        {**c, "id": merge_calls(deltas)[i]["id"]}
-        for i, c in enumerate(parse_tool_calls("qwen25", QWEN_CALLS)[1])
-    ]
+    # The arguments come in fragments as they are written, and join into the same JSON.
+    merged = merge_calls(deltas)
+    whole = parse_tool_calls("qwen25", QWEN_CALLS)[1]
+    assert [c["function"]["name"] for c in merged] == [c["function"]["name"] for c in whole]
+    for got, want in zip(merged, whole):
+        assert json.loads(got["function"]["arguments"]) == json.loads(want["function"]["arguments"])
+    if size <= 5:
+        assert len([d for d in deltas if d.index == 0 and d.arguments]) > 3
 
 
 def test_qwen25_not_a_call_stays_text_and_a_cut_call_parses_if_whole():
