@@ -21,6 +21,7 @@ API_KEY_ENV = "RADIXSERVE_API_KEY"  # --api-key's default: a key on the command 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     model: str = DEFAULT_MODEL
+    served_model_name: str | None = None  # the OpenAI API's model name; default: --model
     host: str = "127.0.0.1"
     port: int = 30000
     http_port: int = 30080  # 0: no HTTP server
@@ -60,6 +61,8 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     log_requests: bool = False
     check_invariants: bool = False  # verify the scheduler's invariants after every step (tests)
     log_level: str = "info"
+    tool_call_parser: str | None = None  # qwen25 | llama3: tool calls in chat output
+    reasoning_parser: str | None = None  # qwen3 | deepseek-r1: <think> in chat output
 
     @property
     def threads_per_model_process(self) -> int:
@@ -88,6 +91,8 @@ class RankPlacement(msgspec.Struct, frozen=True, kw_only=True):
 _HELP = {
     "model": "a local model directory (config.json, safetensors, tokenizer), a Hugging Face Hub "
     "id (the Hub when reachable, else the offline HF cache), or the bundled default model",
+    "served_model_name": "the model's name in the OpenAI API (`model` of requests, "
+    "/v1/models; default: --model as given)",
     "host": "address the client endpoint (a ZMQ ROUTER) binds",
     "port": "TCP port of the client endpoint",
     "http_port": "TCP port of the HTTP server (OpenAI-compatible and SGLang's native API, "
@@ -160,6 +165,11 @@ _HELP = {
     "log_requests": "log one line per finished, aborted or failed request",
     "check_invariants": "verify the scheduler's invariants after every step (slow; for tests)",
     "log_level": "logging level of every server process",
+    "tool_call_parser": "turn the model's tool calls in chat output into OpenAI's `tool_calls`: "
+    "qwen25 (<tool_call>{json}</tool_call>, Qwen2.5 and Qwen3) or llama3 (JSON with `name` and "
+    "`parameters`, <|python_tag|>) (default: none; chat output stays text)",
+    "reasoning_parser": "split the model's thinking from its answer in chat output, into "
+    "`reasoning_content`: qwen3 or deepseek-r1 (<think>...</think>) (default: none)",
 }
 
 # Flags whose values form a closed set: argparse refuses others before anything starts.
@@ -171,6 +181,8 @@ _CHOICES = {
     "quantization": ("int8",),
     "load_balance_method": ("round_robin", "cache_aware"),
     "log_level": ("debug", "info", "warning", "error"),
+    "tool_call_parser": ("qwen25", "llama3"),
+    "reasoning_parser": ("qwen3", "deepseek-r1"),
 }
 
 

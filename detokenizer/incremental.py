@@ -137,6 +137,8 @@ class IncrementalDetokenizer:
             cached_tokens=start.cached_tokens,
             output_token_logprobs=None if out.output_token_logprobs is None else [],
             output_top_logprobs=None if out.output_top_logprobs is None else [],
+            input_token_logprobs=out.input_token_logprobs,
+            input_top_logprobs=out.input_top_logprobs,
         )
 
     def _decode_new_texts(self, outs: list[ReqTokenOut], states: list[DecodeState]) -> list[str]:
@@ -193,6 +195,8 @@ class IncrementalDetokenizer:
             cached_tokens=state.start.cached_tokens,
             output_token_logprobs=out.output_token_logprobs,
             output_top_logprobs=out.output_top_logprobs,
+            input_token_logprobs=out.input_token_logprobs,
+            input_top_logprobs=out.input_top_logprobs,
         )
         return str_out, stop_req
 

@@ -27,7 +27,8 @@ Handler = Callable[[Request], Awaitable[Response]]
 def build_app(manager: TokenizerManager) -> Starlette:
     front = Front(manager)
     native = NativeApi(front)
-    openai = OpenAIApi(front, manager.args.model, manager.context_len)
+    name = manager.args.served_model_name or manager.args.model
+    openai = OpenAIApi(front, name, manager.context_len)
     routes = [
         Route("/generate", _errors(native.generate), methods=["POST"]),
         Route("/health", _errors(native.health), methods=["GET"]),
@@ -40,7 +41,16 @@ def build_app(manager: TokenizerManager) -> Starlette:
         Route("/v1/completions", _errors(openai.completions), methods=["POST"]),
         Route("/v1/chat/completions", _errors(openai.chat_completions), methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    handlers = {404: _no_route, 405: _no_route}
+    return Starlette(routes=routes, exception_handlers=handlers)
+
+
+async def _no_route(request: Request, error: Exception) -> Response:
+    """An unknown path or a wrong method, in OpenAI's error shape (not Starlette's text)."""
+    status = getattr(error, "status_code", 404)
+    code = "method_not_allowed" if status == 405 else "not_found"
+    what = "no such method for" if status == 405 else "no such endpoint"
+    return error_response(HttpError(code, f"{what}: {request.method} {request.url.path}"))
 
 
 def _errors(handler: Handler) -> Handler:

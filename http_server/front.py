@@ -28,6 +28,7 @@ STATUS = {
     "too_long": 400,
     "unauthorized": 401,
     "not_found": 404,
+    "method_not_allowed": 405,
     "too_large": 413,
     "unsupported_media_type": 415,
     "overloaded": 503,

@@ -1,17 +1,25 @@
 """OpenAI's endpoints: /v1/models, /v1/completions, /v1/chat/completions (streamed as
-server-sent events ending in `data: [DONE]`, with usage when `stream_options.include_usage`)."""
+server-sent events ending in `data: [DONE]`, with usage when `stream_options.include_usage`).
+
+Prompts are tokenized here, before the generates go in as ids: max_tokens is checked against
+the context with the prompt's length, chat reads the tools and template variables the wire's
+messages do not carry, and echo has the prompt's text.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from radixserve.http_server import openai_protocol as protocol
 from radixserve.http_server import openai_responses as out
+from radixserve.http_server.chat_output import ChatOutput
 from radixserve.http_server.front import (
     SSE_DONE,
     Front,
@@ -21,13 +29,53 @@ from radixserve.http_server.front import (
     sse,
 )
 from radixserve.http_server.openai_protocol import (
+    BadField,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_generate,
-    completion_generates,
 )
 from radixserve.protocol.wire import GenerateRequest, OutputReply
 from radixserve.tokenizer_manager.sampling_defaults import fill_sampling_defaults
+from radixserve.tokenizer_manager.tokenization import PromptTooLong
+
+
+class _Choices:
+    """How one HTTP request's choices are written: completions' text (the prompt first with
+    echo), or chat's message through a ChatOutput per choice."""
+
+    def __init__(
+        self, n: int, echoes: list[str] | None, chat_output: Callable[[], ChatOutput] | None
+    ):
+        self.n = n
+        self.echoes = echoes
+        self.chat_output = chat_output
+        self.outputs: dict[int, ChatOutput] = {}
+
+    def whole(self, reply: OutputReply, logprobs: Any) -> dict[str, Any]:
+        reason = out.finish_reason(reply)
+        if self.chat_output is None:
+            return out.choice(
+                reply, self.n, {"text": self._echo(reply) + reply.text}, logprobs, reason
+            )
+        output = self.chat_output()
+        message = output.message(reply.text)
+        return out.choice(
+            reply, self.n, {"message": message}, logprobs, output.finish_reason(reason)
+        )
+
+    def piece(self, reply: OutputReply, first: bool, logprobs: Any) -> dict[str, Any]:
+        reason = out.finish_reason(reply)
+        if self.chat_output is None:
+            text = (self._echo(reply) if first else "") + reply.text
+            return out.choice(reply, self.n, {"text": text}, logprobs, reason)
+        index = out.choice_index(reply, self.n)
+        output = self.outputs.setdefault(index, self.chat_output())
+        delta = output.delta(reply.text, reply.finished)
+        if first:
+            delta = {"role": "assistant", **delta}
+        return out.choice(reply, self.n, {"delta": delta}, logprobs, output.finish_reason(reason))
+
+    def _echo(self, reply: OutputReply) -> str:
+        return "" if self.echoes is None else self.echoes[int(reply.rid)]
 
 
 class OpenAIApi:
@@ -38,6 +86,9 @@ class OpenAIApi:
         self.created = int(time.time())
         self._completion = msgspec.json.Decoder(CompletionRequest)
         self._chat = msgspec.json.Decoder(ChatCompletionRequest)
+        args = front.manager.args
+        self.tool_call_parser = args.tool_call_parser
+        self.reasoning_parser = args.reasoning_parser
 
     async def models(self, request: Request) -> Response:
         self.front.authorize(request)
@@ -53,21 +104,56 @@ class OpenAIApi:
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, self._completion)
         assert isinstance(req, CompletionRequest)
-        generates, sent = _converted(completion_generates, req)
-        return await self._respond(request, req, generates, sent, chat=False)
+        tokenization = self.front.manager.tokenization
+        prompts = _checked(protocol.prompts, req.prompt)
+
+        async def ids(prompt: Any) -> list[int]:
+            text = prompt if isinstance(prompt, str) else None
+            ids = None if isinstance(prompt, str) else prompt
+            return await tokenization.input_ids_async(GenerateRequest(text=text, input_ids=ids))
+
+        prompt_ids = await _tokenized(asyncio.gather(*map(ids, prompts)))
+        generates, sent = _checked(
+            protocol.completion_generates, req, prompt_ids, self.context_length
+        )
+        echoes = None
+        if req.echo:
+            echoes = await asyncio.gather(
+                *(
+                    _as_text(p) if isinstance(p, str) else tokenization.decode_async(p)
+                    for p in prompts
+                )
+            )
+        return await self._respond(request, req, generates, sent, _Choices(req.n, echoes, None))
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self._decode(request, self._chat)
         assert isinstance(req, ChatCompletionRequest)
-        generate, sent = _converted(chat_generate, req)
-        return await self._respond(request, req, [generate], sent, chat=True)
+        _checked(protocol.check_tool_choice, req)
+        messages = _checked(protocol.template_messages, req)
+        kwargs = _checked(protocol.template_kwargs, req)
+        tools = protocol.template_tools(req)
+        tokenization = self.front.manager.tokenization
+        input_ids = await _tokenized(tokenization.chat_ids_async(messages, tools, kwargs))
+        generate, sent = _checked(protocol.chat_generate, req, input_ids, self.context_length)
+        reasoning = self.reasoning_parser if req.separate_reasoning else None
+        tool_parser = self.tool_call_parser if req.parses_tools else None
+        choices = _Choices(req.n, None, lambda: ChatOutput(reasoning, tool_parser))
+        return await self._respond(request, req, [generate], sent, choices)
 
     async def _decode(self, request: Request, decoder: msgspec.json.Decoder) -> Any:
+        req = await self._decoded(request, decoder)
+        _checked(protocol.check_token_ids, req, self.front.manager.tokenization.vocab_size)
+        return req
+
+    async def _decoded(self, request: Request, decoder: msgspec.json.Decoder) -> Any:
         self.front.authorize(request)
         body = await self.front.body(request)
         try:
             req = decoder.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        except msgspec.ValidationError as e:
+            raise HttpError("invalid_request", str(e), protocol.field_of(e)) from None
+        except (msgspec.DecodeError, RecursionError) as e:
             message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise HttpError("invalid_request", message) from None
         if req.model != self.model_name:
@@ -80,40 +166,40 @@ class OpenAIApi:
         req: CompletionRequest | ChatCompletionRequest,
         generates: list[GenerateRequest],
         sent: set[str],
-        chat: bool,
+        choices: _Choices,
     ) -> Response:
         defaults = self.front.manager.sampling_defaults
         generates = [fill_sampling_defaults(g, sent, defaults) for g in generates]
         outputs = self.front.outputs(request, generates)
+        chat = choices.chat_output is not None
         rid = out.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
             first = await anext(outputs, None)  # an error before any output is an HTTP status
-            events = self._events(rid, req.n, chat, req.include_usage, first, outputs)
+            events = self._events(rid, choices, req.include_usage, first, outputs)
             return StreamingResponse(events, media_type="text/event-stream")
-        usage, choices = out.Usage(), []
+        usage, bodies = out.Usage(), []
         async for reply in outputs:
             usage.add_final(reply)
-            logprobs = await self._logprobs(reply, chat)
-            choices.append(out.choice(reply, req.n, reply.text, chat, logprobs))
-        choices.sort(key=lambda c: c["index"])
-        return json_response(out.completion_body(rid, self.model_name, choices, usage, chat))
+            bodies.append(choices.whole(reply, await self._logprobs(reply, chat)))
+        bodies.sort(key=lambda c: c["index"])
+        return json_response(out.completion_body(rid, self.model_name, bodies, usage, chat))
 
     async def _events(
         self,
         rid: str,
-        n: int,
-        chat: bool,
+        choices: _Choices,
         include_usage: bool,
         first: OutputReply | None,
         rest: AsyncIterator[OutputReply],
     ) -> AsyncIterator[bytes]:
         usage, started = out.Usage(), set()
+        chat = choices.chat_output is not None
         try:
             replies = rest if first is None else _chain(first, rest)
             async for reply in replies:
-                index = out.choice_index(reply, n)
+                index = out.choice_index(reply, choices.n)
                 logprobs = await self._logprobs(reply, chat)
-                piece = out.chunk_choice(reply, n, chat, index not in started, logprobs)
+                piece = choices.piece(reply, index not in started, logprobs)
                 started.add(index)
                 yield sse(out.chunk_body(rid, self.model_name, [piece], chat))
                 if reply.finished:
@@ -134,11 +220,28 @@ class OpenAIApi:
         return out.chat_logprobs(reply, texts) if chat else out.completion_logprobs(reply, texts)
 
 
-def _converted(convert: Any, req: Any) -> Any:
+def _checked(convert: Callable[..., Any], *args: Any) -> Any:
+    """`convert(*args)`, a BadField (or ValueError) as a 400 naming the field."""
     try:
-        return convert(req)
+        return convert(*args)
+    except BadField as e:
+        raise HttpError(e.code, str(e), e.param) from None
     except ValueError as e:
         raise HttpError("invalid_request", str(e)) from None
+
+
+async def _tokenized(ids: Awaitable[Any]) -> Any:
+    """The tokenizer's answer; its refusals as the wire's errors."""
+    try:
+        return await ids
+    except PromptTooLong as e:
+        raise HttpError("too_long", str(e)) from None
+    except ValueError as e:
+        raise HttpError("invalid_request", str(e)) from None
+
+
+async def _as_text(text: str) -> str:
+    return text
 
 
 async def _chain(

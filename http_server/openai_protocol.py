@@ -7,7 +7,9 @@ field, or a value out of its range, is refused with a message naming it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+import re
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -15,8 +17,8 @@ from radixserve.protocol.wire import (
     MAX_INPUT_IDS,
     MAX_MESSAGES,
     MAX_TOP_LOGPROBS,
-    ChatMessage,
     GenerateRequest,
+    LogitBias,
     SamplingParams,
     StopStrings,
     StopTokenIds,
@@ -24,6 +26,32 @@ from radixserve.protocol.wire import (
 
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (SGLang's and vLLM's too)
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_NAME_CHARS = 256
+# OpenAI's limits on `metadata`: 16 pairs, keys of 64 characters, values of 512.
+MAX_METADATA = 16
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+Metadata = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+    msgspec.Meta(max_length=MAX_METADATA),
+]
+
+
+class BadField(ValueError):
+    """A request the server cannot honour, naming the field at fault (OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+_AT_FIELD = re.compile(r"at `\$\.(\w+)|unknown field `(\w+)`")
+
+
+def field_of(error: msgspec.ValidationError) -> str | None:
+    """The top-level field a decoding error is about, from msgspec's message."""
+    match = _AT_FIELD.search(str(error))
+    return None if match is None else match.group(1) or match.group(2)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -42,7 +70,12 @@ class _OpenAIRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None  # OpenAI's end-user label: accepted, unused
+    logit_bias: LogitBias | None = None
+    # OpenAI's fields about the request rather than its output: accepted, unused.
+    user: Name | None = None
+    metadata: Metadata | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     # SGLang's and vLLM's extras.
     top_k: int | None = None
     min_p: float | None = None
@@ -65,11 +98,70 @@ class CompletionRequest(_OpenAIRequest):
     echo: bool = False
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: Name
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: Name
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A message of the conversation: `content` a text or a list of parts (text only)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Name | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: Name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: Name
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+# Arguments apply_chat_template takes itself: a request's chat_template_kwargs cannot set them.
+_TEMPLATE_OWN = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt"}
+
+
 class ChatCompletionRequest(_OpenAIRequest):
-    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # SGLang's and vLLM's extras.
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart
+
+    @property
+    def parses_tools(self) -> bool:
+        """Whether a tool call parser reads the output: tools given, and not turned off."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 _SAMPLING_FIELDS = (
@@ -88,61 +180,174 @@ _SAMPLING_FIELDS = (
 )
 
 
-def sampling_params(req: _OpenAIRequest, max_tokens: int | None) -> tuple[SamplingParams, set]:
+def sampling_params(req: _OpenAIRequest, max_tokens: int) -> tuple[SamplingParams, set]:
     """The wire's sampling parameters, and the names of those the request gave (the model's
-    defaults fill the others). ValueError names a bad field."""
-    if req.min_tokens:
-        raise ValueError("min_tokens is not supported by this server")
+    defaults fill the others). BadField names a bad field."""
     given: dict[str, Any] = {
         name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None
     }
-    if max_tokens is not None:
-        given["max_new_tokens"] = max_tokens
+    given["max_new_tokens"] = max_tokens
+    if req.min_tokens:
+        given["min_new_tokens"] = req.min_tokens
+    if req.logit_bias:
+        given["logit_bias"] = req.logit_bias
     if req.stop is not None:
         given["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
     try:
         params = msgspec.convert(given, SamplingParams)
     except msgspec.ValidationError as e:
-        raise ValueError(str(e).replace("max_new_tokens", "max_tokens")) from None
+        message = str(e).replace("min_new_tokens", "min_tokens")
+        message = message.replace("max_new_tokens", "max_tokens")
+        raise BadField(field_of(e) or _first_named(message), message) from None
     return params, set(given)
 
 
-def completion_generates(req: CompletionRequest) -> tuple[list[GenerateRequest], set]:
-    if req.echo:
-        raise ValueError("echo is not supported by this server")
+def _first_named(message: str) -> str:
+    """The OpenAI field a SamplingParams check's message begins with."""
+    return message.split(" ", 1)[0].replace("max_new_tokens", "max_tokens")
+
+
+def check_token_ids(req: _OpenAIRequest, vocab_size: int) -> None:
+    """Token ids the request names (logit_bias, stop_token_ids) are in the vocabulary."""
+    for field, ids in (
+        ("logit_bias", req.logit_bias or {}),
+        ("stop_token_ids", req.stop_token_ids or []),
+    ):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BadField(field, f"{field} holds {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def max_new_tokens(requested: int | None, default: int | None, prompt: int, context: int) -> int:
+    """The output's length limit: max_tokens when given, and then prompt + it must fit the
+    context (a 400, as vLLM's); else `default`, else what the context leaves (as vLLM and
+    SGLang do for chat)."""
+    room = max(context - prompt, 0)  # none: the scheduler refuses the prompt (too_long)
+    if requested is None:
+        return room if default is None else default
+    if requested > room:
+        raise BadField(
+            "max_tokens",
+            f"this model's context length is {context} tokens; the prompt has {prompt} and "
+            f"max_tokens asks for {requested} more",
+            "too_long",
+        )
+    return requested
+
+
+def completion_generates(
+    req: CompletionRequest, prompt_ids: list[list[int]], context_len: int
+) -> tuple[list[GenerateRequest], set]:
+    """One generate per prompt (its ids tokenized already)."""
     top = _logprobs_count("logprobs", req.logprobs)
-    max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params, sent = sampling_params(req, max_tokens)
-    generates = [
-        GenerateRequest(
+    generates: list[GenerateRequest] = []
+    sent: set[str] = set()
+    for i, ids in enumerate(prompt_ids):
+        limit = max_new_tokens(req.max_tokens, COMPLETIONS_MAX_TOKENS, len(ids), context_len)
+        params, sent = sampling_params(req, limit)
+        generate = GenerateRequest(
             rid=str(i),
-            text=prompt if isinstance(prompt, str) else None,
-            input_ids=None if isinstance(prompt, str) else list(prompt),
+            input_ids=ids,
             sampling_params=params,
             stream=req.stream,
             return_logprob=req.logprobs is not None,
             top_logprobs_num=top,
+            # Echoed with logprobs: the prompt's too (lm-eval's loglikelihood requests).
+            logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
         )
-        for i, prompt in enumerate(prompts(req.prompt))
-    ]
+        generates.append(generate)
     return generates, sent
 
 
-def chat_generate(req: ChatCompletionRequest) -> tuple[GenerateRequest, set]:
+def chat_generate(
+    req: ChatCompletionRequest, input_ids: list[int], context_len: int
+) -> tuple[GenerateRequest, set]:
     top = _logprobs_count("top_logprobs", req.top_logprobs)
     if top and not req.logprobs:
-        raise ValueError("top_logprobs needs logprobs: true")
-    max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-    params, sent = sampling_params(req, max_tokens)
+        raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
+    requested = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+    limit = max_new_tokens(requested, None, len(input_ids), context_len)
+    params, sent = sampling_params(req, limit)
     generate = GenerateRequest(
         rid="0",
-        messages=req.messages,
+        input_ids=input_ids,
         sampling_params=params,
         stream=req.stream,
         return_logprob=req.logprobs,
         top_logprobs_num=top,
     )
     return generate, sent
+
+
+def check_tool_choice(req: ChatCompletionRequest) -> None:
+    """`required` and a named function need the constrained decoding of issue 23's other half;
+    `none` and `auto` are served here."""
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        if choice == "auto" and not req.tools:
+            raise BadField("tool_choice", "tool_choice 'auto' needs tools")
+        return
+    shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+    raise BadField(
+        "tool_choice", f"tool_choice {shown} is not supported by this server yet (none, auto)"
+    )
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as transformers' chat templates read it: text content (parts joined),
+    tool calls with their arguments as objects (as vLLM hands them to templates)."""
+    messages = []
+    for i, message in enumerate(req.messages):
+        entry: dict[str, Any] = {"role": message.role, "content": _text(i, message.content)}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise BadField("messages", f"messages[{i}]: only an assistant makes tool_calls")
+            entry["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+        messages.append(entry)
+    return messages
+
+
+def _text(i: int, content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise BadField(
+                "messages",
+                f"messages[{i}].content[{j}]: a {kind!r} part is not supported: this server "
+                "reads text parts only",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    return None if not req.tools else msgspec.to_builtins(req.tools)
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = req.chat_template_kwargs or {}
+    clash = sorted(_TEMPLATE_OWN & kwargs.keys())
+    if clash:
+        raise BadField("chat_template_kwargs", f"chat_template_kwargs cannot set {clash[0]}")
+    return kwargs
 
 
 def prompts(prompt: str | list[Any]) -> list[Any]:
@@ -162,12 +367,12 @@ def prompts(prompt: str | list[Any]) -> list[Any]:
         if single:
             return [converted]
         if len(converted) > MAX_PROMPTS:
-            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request")
+            raise BadField("prompt", f"prompt: at most {MAX_PROMPTS} prompts in one request")
         return converted
-    raise ValueError("prompt must be a string, a list of token ids, or a list of either")
+    raise BadField("prompt", "prompt must be a string, a list of token ids, or a list of either")
 
 
 def _logprobs_count(field: str, value: int | None) -> int:
     if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"{field} must be in [0, {MAX_TOP_LOGPROBS}]")
+        raise BadField(field, f"{field} must be in [0, {MAX_TOP_LOGPROBS}]")
     return value or 0

@@ -50,21 +50,28 @@ def finish_reason(reply: OutputReply) -> str | None:
 
 
 def completion_logprobs(reply: OutputReply, texts: dict[int, str]) -> dict[str, Any] | None:
-    """/v1/completions' logprobs: parallel lists over the reply's tokens."""
+    """/v1/completions' logprobs: parallel lists over the reply's tokens, after the prompt's
+    when it is echoed (its first token has no logprob: null, as OpenAI's)."""
     meta = reply.meta_info
     if meta.output_token_logprobs is None:
         return None
+    prompt = meta.input_token_logprobs or []
+    prompt_top: list[list[tuple[float, int]] | None] = list(meta.input_top_logprobs or [])
+    entries = [*prompt, *meta.output_token_logprobs]
     offsets, offset = [], 0
-    for _, token in meta.output_token_logprobs:
+    for _, token in entries:
         offsets.append(offset)
         offset += len(texts[token])
-    top = meta.output_top_logprobs
+    top: list[list[tuple[float, int]] | None] | None = None
+    if meta.output_top_logprobs is not None:
+        top = [p if lp is not None else None for p, (lp, _) in zip(prompt_top, prompt)]
+        top += meta.output_top_logprobs
     return {
-        "tokens": [texts[token] for _, token in meta.output_token_logprobs],
-        "token_logprobs": [logprob for logprob, _ in meta.output_token_logprobs],
+        "tokens": [texts[token] for _, token in entries],
+        "token_logprobs": [logprob for logprob, _ in entries],
         "top_logprobs": None
         if top is None
-        else [{texts[t]: lp for lp, t in position} for position in top],
+        else [None if p is None else {texts[t]: lp for lp, t in p} for p in top],
         "text_offset": offsets,
     }
 
@@ -91,8 +98,11 @@ def chat_logprobs(reply: OutputReply, texts: dict[int, str]) -> dict[str, Any] |
 def logprob_token_ids(reply: OutputReply) -> list[int]:
     """Every token id the reply's logprobs name: their texts are looked up at once."""
     meta = reply.meta_info
-    ids = [token for _, token in meta.output_token_logprobs or []]
-    for position in meta.output_top_logprobs or []:
+    ids = [
+        token
+        for _, token in [*(meta.input_token_logprobs or []), *(meta.output_token_logprobs or [])]
+    ]
+    for position in [*(meta.input_top_logprobs or []), *(meta.output_top_logprobs or [])]:
         ids += [token for _, token in position]
     return ids
 
@@ -120,26 +130,14 @@ def chunk_body(
     return body
 
 
-def choice(reply: OutputReply, n: int, text: str, chat: bool, logprobs: Any) -> dict[str, Any]:
-    """A whole choice (not streamed)."""
-    body: dict[str, Any] = {"index": choice_index(reply, n)}
-    if chat:
-        body["message"] = {"role": "assistant", "content": text}
-    else:
-        body["text"] = text
-    body["logprobs"] = logprobs
-    body["finish_reason"] = finish_reason(reply)
-    return body
-
-
-def chunk_choice(reply: OutputReply, n: int, chat: bool, first: bool, logprobs: Any) -> dict:
-    """A streamed piece of a choice: the new text (a chat's first piece names the role)."""
-    body: dict[str, Any] = {"index": choice_index(reply, n)}
-    if chat:
-        delta = {"role": "assistant", "content": reply.text} if first else {"content": reply.text}
-        body["delta"] = delta
-    else:
-        body["text"] = reply.text
-    body["logprobs"] = logprobs
-    body["finish_reason"] = finish_reason(reply)
-    return body
+def choice(
+    reply: OutputReply, n: int, fields: dict[str, Any], logprobs: Any, reason: str | None
+) -> dict[str, Any]:
+    """A choice, whole or a streamed piece of it: `fields` are its `text`, `message` or
+    `delta`."""
+    return {
+        "index": choice_index(reply, n),
+        **fields,
+        "logprobs": logprobs,
+        "finish_reason": reason,
+    }

@@ -28,6 +28,17 @@ class PenaltyTokens:
 
 
 @dataclass(slots=True)
+class LogitBias:
+    """Additions to some logits, one entry per (sequence, token), flat: the requests'
+    `logit_bias`, and -inf on the stop tokens of those still short of `min_new_tokens`. A pair
+    may come twice (a bias and a mask); the additions then sum."""
+
+    batch_rows: torch.Tensor  # int64 [E]
+    token_ids: torch.Tensor  # int64 [E]
+    biases: torch.Tensor  # float32 [E]
+
+
+@dataclass(slots=True)
 class SamplingBatchInfo:
     """Per-sequence sampling parameters, one row per sequence of the batch (CPU tensors), and the
     tokens penalties read: everything sampling needs, so the worker keeps no per-request state."""
@@ -47,6 +58,7 @@ class SamplingBatchInfo:
     penalty_tokens: PenaltyTokens | None  # None: no sequence has a penalty
     is_all_greedy: bool  # no row samples: argmax, unless penalties change the logits
     any_logprob: bool
+    logit_bias: LogitBias | None = None  # None: no sequence has a bias or a minimum length
 
     @property
     def has_penalties(self) -> bool:
@@ -62,6 +74,10 @@ class SampleOutput:
     token_logprobs: torch.Tensor | None = None  # float32 [B]: of the chosen token
     top_logprobs: torch.Tensor | None = None  # float32 [B, K], K = max(top_logprobs_nums)
     top_logprob_ids: torch.Tensor | None = None  # int64 [B, K]
+    # With the batch's prompt_logprob_rows: each row's logprob of its target, and its top K.
+    prompt_logprobs: torch.Tensor | None = None  # float32 [R]
+    prompt_top_logprobs: torch.Tensor | None = None  # float32 [R, K], K = prompt_top_logprobs_num
+    prompt_top_logprob_ids: torch.Tensor | None = None  # int64 [R, K]
 
 
 @dataclass(slots=True)
@@ -73,6 +89,11 @@ class ModelWorkerBatch:
     extend_lens: torch.Tensor  # int64 [B]
     kv_slots: torch.Tensor  # int64 [B, max(seq_lens)]
     sampling: SamplingBatchInfo
+    # Prompt logprobs (SGLang's input_token_logprobs): packed token rows whose logits give the
+    # logprob of the prompt token after them, that token, and how many top tokens to list.
+    prompt_logprob_rows: torch.Tensor | None = None  # int64 [R]
+    prompt_logprob_targets: torch.Tensor | None = None  # int64 [R]
+    prompt_top_logprobs_num: int = 0
 
     @property
     def batch_size(self) -> int:

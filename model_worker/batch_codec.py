@@ -14,11 +14,20 @@ import msgspec
 import numpy as np
 import torch
 
-from radixserve.model_worker.batch import ModelWorkerBatch, PenaltyTokens, SamplingBatchInfo
+from radixserve.model_worker.batch import (
+    LogitBias,
+    ModelWorkerBatch,
+    PenaltyTokens,
+    SamplingBatchInfo,
+)
 
 _DTYPES = {"int64", "int32", "float32", "bool"}  # what the batch's tensors hold
 # A field holding one of these dataclasses travels as the list of its own fields.
-_NESTED: dict[str, Any] = {"sampling": SamplingBatchInfo, "penalty_tokens": PenaltyTokens}
+_NESTED: dict[str, Any] = {
+    "sampling": SamplingBatchInfo,
+    "penalty_tokens": PenaltyTokens,
+    "logit_bias": LogitBias,
+}
 
 
 class TensorBytes(msgspec.Struct, frozen=True):

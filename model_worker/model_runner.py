@@ -24,6 +24,10 @@ CPU_KV_MEMORY_FRACTION = 0.10  # of MemTotal: the CPU is shared with the other p
 CPU_MAX_KV_TOKENS = 256 * 1024
 
 
+# Prompt rows whose logits are computed at once: 256 x a 150k vocabulary is 150 MB of float32.
+PROMPT_LOGPROB_BLOCK = 256
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -102,7 +106,12 @@ class ModelRunner:
     def forward(self, batch: ModelWorkerBatch) -> SampleOutput:
         """The next token of every sequence of the batch, and logprobs where asked for; on the
         CPU. Keeps each penalised request's token counts for its later steps."""
-        return self.sampler(self.forward_logits(batch), batch.sampling)
+        if batch.prompt_logprob_rows is None:
+            return self.sampler(self.forward_logits(batch), batch.sampling)
+        hidden, last_rows = self._forward_hidden(batch)
+        out = self.sampler(self.model.compute_logits(hidden[last_rows]), batch.sampling)
+        self._prompt_logprobs(batch, hidden, out)
+        return out
 
     @torch.inference_mode()
     def forward_logits(
@@ -110,11 +119,38 @@ class ModelRunner:
     ) -> torch.Tensor:
         """float32 logits [N, vocab] of the packed token rows `rows` (default: each sequence's
         last token). Writes the batch's K and V into the pool like `forward`."""
+        hidden, last_rows = self._forward_hidden(batch)
+        rows = last_rows if rows is None else rows.to(self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _forward_hidden(self, batch: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states of every packed row, and the rows of the sequences' last
+        tokens."""
         fb = ForwardBatch.from_worker_batch(batch, self.device, self.kv_pool)
         self.attn_backend.init_forward_metadata(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)
-        rows = fb.last_rows if rows is None else rows.to(self.device)
-        return self.model.compute_logits(hidden[rows])
+        return self.model(fb.input_ids, fb.positions, fb), fb.last_rows
+
+    def _prompt_logprobs(
+        self, batch: ModelWorkerBatch, hidden: torch.Tensor, out: SampleOutput
+    ) -> None:
+        """The logprobs of the batch's prompt rows (raw logits, as the outputs'), a block of
+        rows at a time: a whole prompt's logits at once could take gigabytes."""
+        rows, targets = batch.prompt_logprob_rows, batch.prompt_logprob_targets
+        assert rows is not None and targets is not None
+        k = batch.prompt_top_logprobs_num
+        chosen, top_values, top_ids = [], [], []
+        for start in range(0, rows.numel(), PROMPT_LOGPROB_BLOCK):
+            block = rows[start : start + PROMPT_LOGPROB_BLOCK].to(self.device)
+            logits = self.model.compute_logits(hidden[block]).float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            wanted = targets[start : start + PROMPT_LOGPROB_BLOCK].to(self.device)
+            chosen.append(logprobs.gather(1, wanted[:, None])[:, 0].cpu())
+            top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+            top_values.append(top.values.cpu())
+            top_ids.append(top.indices.cpu())
+        out.prompt_logprobs = torch.cat(chosen)
+        out.prompt_top_logprobs = torch.cat(top_values)
+        out.prompt_top_logprob_ids = torch.cat(top_ids)
 
     def _kv_tokens_that_fit(self, kv_slot_bytes: int, mem_fraction_static: float) -> int:
         if self.device.type == "cuda":

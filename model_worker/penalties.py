@@ -9,6 +9,9 @@ Repetition as transformers' RepetitionPenaltyLogitsProcessor, on tokens of the p
 output: a positive logit is divided by it, any other multiplied. Then, as in OpenAI, vLLM and
 SGLang, frequency * count + presence * (count > 0) is subtracted for output tokens. Repetition
 goes first, as in vLLM, so it scales the model's logit rather than an already shifted one.
+
+Before all of them, `apply_logit_bias` adds the requests' logit_bias (and masks the stop tokens
+of those short of min_new_tokens), as SGLang and vLLM do.
 """
 
 from __future__ import annotations
@@ -40,3 +43,14 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     penalised = torch.where(x > 0, x / rep, x * rep) - frequency - presence
     # The ids of a sequence are distinct, so no entry is written twice.
     return logits.index_put((index[0], index[1]), penalised)
+
+
+def apply_logit_bias(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """The logits plus each sequence's biases (its `logit_bias`, and -inf on its stop tokens
+    while it is short of `min_new_tokens`): the first change to them, before penalties. Returns a
+    new tensor when there is any, so the raw logits stay as they are, for logprobs."""
+    bias = info.logit_bias
+    if bias is None:
+        return logits
+    index = (bias.batch_rows.to(logits.device), bias.token_ids.to(logits.device))
+    return logits.index_put(index, bias.biases.to(logits.device), accumulate=True)

@@ -1,8 +1,9 @@
 """Next-token sampling: one batched call, each row with its own sampling parameters.
 
-The order is SGLang's and vLLM's: penalties on the raw logits -> greedy rows take the argmax ->
-temperature -> softmax -> top_k -> top_p -> min_p -> draw. Work a batch does not ask for is
-skipped: an all-greedy batch without penalties or logprobs is one argmax. Everything per request
+The order is SGLang's and vLLM's: logit_bias (and min_new_tokens' mask) -> penalties on the
+raw logits -> greedy rows take the argmax -> temperature -> softmax -> top_k -> top_p -> min_p ->
+draw. Work a batch does not ask for is skipped: an all-greedy batch without penalties, biases or
+logprobs is one argmax. Everything per request
 comes with the batch; the sampler keeps only the generator unseeded rows draw from.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.model_worker.batch import SampleOutput, SamplingBatchInfo
-from radixserve.model_worker.penalties import apply_penalties
+from radixserve.model_worker.penalties import apply_logit_bias, apply_penalties
 
 # A temperature below this is greedy, as in vLLM (its _SAMPLING_EPS) and SGLang: dividing the
 # logits by less can overflow float32 into infinities, whose softmax is NaN.
@@ -28,9 +29,10 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         """float32 logits [B, V] -> the next tokens (and logprobs if asked for), on the CPU."""
-        if info.is_all_greedy and not info.has_penalties and not info.any_logprob:
+        plain = not info.has_penalties and info.logit_bias is None
+        if info.is_all_greedy and plain and not info.any_logprob:
             return SampleOutput(logits.argmax(dim=-1).cpu())
-        processed = apply_penalties(logits, info)
+        processed = apply_penalties(apply_logit_bias(logits, info), info)
         if info.is_all_greedy:
             tokens = processed.argmax(dim=-1)
         else:

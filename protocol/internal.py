@@ -25,6 +25,7 @@ class TokenizedGenerateReq(_Msg, tag="gen"):
     stream: bool
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # prompt logprobs from this position on; -1: none
 
 
 class AbortReq(_Msg, tag="abort"):
@@ -68,6 +69,8 @@ SchedulerInput = (
 
 # (logprob, token id): SGLang's layout for output_token_logprobs and each top-logprobs entry.
 Logprob = tuple[float, int]
+# A prompt token's: the first token of a prompt has none.
+PromptLogprob = tuple[float | None, int]
 
 
 # ---- scheduler -> detokenizer ------------------------------------------------------------------
@@ -93,6 +96,9 @@ class ReqTokenOut(msgspec.Struct, array_like=True):
     start: ReqStart | None = None  # on the request's first output only
     output_token_logprobs: list[Logprob] | None = None  # for new_token_ids, when asked for
     output_top_logprobs: list[list[Logprob]] | None = None
+    # On the final output of a request with logprob_start_len: its prompt's logprobs.
+    input_token_logprobs: list[PromptLogprob] | None = None
+    input_top_logprobs: list[list[Logprob]] | None = None
 
 
 class BatchTokenOut(_Msg, tag="tokens"):
@@ -112,6 +118,8 @@ class ReqStrOut(msgspec.Struct, array_like=True):
     cached_tokens: int
     output_token_logprobs: list[Logprob] | None = None
     output_top_logprobs: list[list[Logprob]] | None = None
+    input_token_logprobs: list[PromptLogprob] | None = None
+    input_top_logprobs: list[list[Logprob]] | None = None
 
 
 class BatchStrOut(_Msg, tag="strs"):

@@ -19,6 +19,8 @@ MAX_TOP_LOGPROBS = 256
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 MAX_RID_CHARS = 256
 MAX_API_KEY_CHARS = 256
 # Lists are bounded in their types, so that the decoder refuses one by its length alone, before
@@ -31,6 +33,10 @@ StopStrings = Annotated[
     msgspec.Meta(max_length=MAX_STOP_STRINGS),
 ]
 StopTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+LogitBias = Annotated[
+    dict[int, Annotated[float, msgspec.Meta(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
+    msgspec.Meta(max_length=MAX_LOGIT_BIAS),
+]
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -48,6 +54,9 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     skip_special_tokens: bool = True
     seed: int | None = None
     n: int = 1
+    # EOS and the stop tokens cannot be drawn before this many new tokens (SGLang's name).
+    min_new_tokens: int = 0
+    logit_bias: LogitBias = {}  # token id -> added to its logit before penalties
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +72,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]"),
+            (
+                0 <= self.min_new_tokens <= self.max_new_tokens,
+                "min_new_tokens must be in [0, max_new_tokens]",
+            ),
             (
                 self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
                 "seed must fit in 64 bits: [-2**63, 2**63 - 1]",
@@ -109,6 +122,9 @@ class GenerateRequest(_Request, tag="generate"):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # SGLang's: with return_logprob, the logprobs of the prompt's tokens from this position on
+    # (input_token_logprobs); -1: none. The prompt is then computed whole, never from the cache.
+    logprob_start_len: int = -1
 
     def __post_init__(self) -> None:
         given = [f for f in ("text", "input_ids", "messages") if getattr(self, f) is not None]
@@ -118,6 +134,8 @@ class GenerateRequest(_Request, tag="generate"):
             raise ValueError(f"{given[0]} must not be empty")
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.logprob_start_len < -1:
+            raise ValueError("logprob_start_len must be -1 (none) or a prompt position")
         check_rid(self.rid)
 
 
@@ -176,6 +194,10 @@ class MetaInfo(msgspec.Struct, omit_defaults=True):
     e2e_latency: float
     output_token_logprobs: list[tuple[float, int]] | None = None
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # With logprob_start_len, on the final reply: the prompt's tokens from it on. The prompt's
+    # first token has no logprob (None), nor top tokens ([]).
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 class _Reply(msgspec.Struct, tag_field="type", omit_defaults=True):

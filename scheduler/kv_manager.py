@@ -64,7 +64,7 @@ class KVManager:
 
     def cached_prefix_len(self, req: Req) -> int:
         """What `admit` would find cached, changing nothing (for lpm's ordering)."""
-        if self.tree_cache is None:
+        if self.tree_cache is None or req.needs_prompt_logprobs:
             return 0
         return self.tree_cache.cached_prefix_len(req.token_slice(0, req.num_tokens))
 
@@ -87,7 +87,9 @@ class KVManager:
         row = self.req_to_token_pool.alloc()
         cached = 0
         if self.tree_cache is not None:
-            match = self.tree_cache.match_prefix(req.token_slice(0, req.num_tokens))
+            # A request that needs its prompt's logprobs matches nothing: it computes it all.
+            tokens = [] if req.needs_prompt_logprobs else req.token_slice(0, req.num_tokens)
+            match = self.tree_cache.match_prefix(tokens)
             self.tree_cache.inc_lock_ref(match.last_node)
             self._locked[row] = match.last_node
             cached = match.slots.numel()

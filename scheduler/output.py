@@ -4,7 +4,7 @@ with its first), and the logprobs each real output token keeps."""
 from __future__ import annotations
 
 from radixserve.model_worker.batch import SampleOutput
-from radixserve.protocol.internal import ReqStart, ReqTokenOut
+from radixserve.protocol.internal import Logprob, PromptLogprob, ReqStart, ReqTokenOut
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.schedule_batch import ScheduleBatch
 
@@ -28,7 +28,17 @@ def next_output(req: Req) -> ReqTokenOut:
         start,
         req.output_token_logprobs[sent:] if req.return_logprob else None,
         req.output_top_logprobs[sent:] if req.top_logprobs_num else None,
+        *_prompt_logprobs(req),
     )
+
+
+def _prompt_logprobs(
+    req: Req,
+) -> tuple[list[PromptLogprob], list[list[Logprob]] | None] | tuple[()]:
+    """A final output's prompt logprobs, when the request asked for them."""
+    if req.logprob_start_len < 0 or req.finished_reason is None:
+        return ()
+    return req.input_token_logprobs, req.input_top_logprobs if req.top_logprobs_num else None
 
 
 def _start(req: Req) -> ReqStart:
@@ -46,9 +56,30 @@ def record_logprobs(batch: ScheduleBatch, result: SampleOutput) -> None:
     top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else []
     tokens = result.next_token_ids.tolist()
     for i, (req, emits) in enumerate(zip(batch.reqs, batch.emits)):
-        if not req.return_logprob or not emits or req.finished:  # finished: a dropped token
+        # finished: a dropped token; prompt_only: a sample that is no output
+        if not req.return_logprob or not emits or req.finished or req.prompt_only:
             continue
         req.output_token_logprobs.append((token_logprobs[i], tokens[i]))
         if req.top_logprobs_num:
             k = req.top_logprobs_num
             req.output_top_logprobs.append(list(zip(top_values[i][:k], top_ids[i][:k])))
+
+
+def record_prompt_logprobs(batch: ScheduleBatch, result: SampleOutput) -> None:
+    """Keep the logprobs of the prompt tokens the step's prompt spans predicted, in order: a
+    recompute after a retraction predicts some again, and they are kept once."""
+    assert result.prompt_logprobs is not None and result.prompt_top_logprobs is not None
+    assert result.prompt_top_logprob_ids is not None
+    values = result.prompt_logprobs.tolist()
+    top_values = result.prompt_top_logprobs.tolist()
+    top_ids = result.prompt_top_logprob_ids.tolist()
+    at = 0
+    for i, first, count in batch.prompt_spans:
+        req = batch.reqs[i]
+        prompt, k = req.origin_input_ids, req.top_logprobs_num
+        for j in range(at, at + count):
+            token = first + 1 + j - at  # the prompt position this row predicts
+            if token == req.logprob_start_len + len(req.input_token_logprobs):
+                req.input_token_logprobs.append((values[j], prompt[token]))
+                req.input_top_logprobs.append(list(zip(top_values[j][:k], top_ids[j][:k])))
+        at += count

@@ -53,6 +53,18 @@ class Req:
     # recompute after a retraction finds its own KV there, which is no cache hit.
     cached_tokens: int = 0
     retracted: bool = False  # ever sent back to the waiting queue
+    # Prompt logprobs (logprob_start_len >= 0): those of prompt tokens start.. so far, in order.
+    logprob_start_len: int = -1
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    prompt_only: bool = False  # max_new_tokens 0 with prompt logprobs: its one sample is dropped
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are still missing: its prompt must then be computed, not
+        matched in the prefix cache (SGLang does the same)."""
+        start = self.logprob_start_len
+        return start >= 0 and start + len(self.input_token_logprobs) < len(self.origin_input_ids)
 
     @property
     def num_outputs(self) -> int:
@@ -140,7 +152,8 @@ def make_req(msg: TokenizedGenerateReq, config: SchedulerConfig) -> Req | ReqErr
     # so an unclipped one could be accepted here and never admitted, blocking the queue.
     max_new = min(params.max_new_tokens, config.context_len - n_prompt)
     if max_new != params.max_new_tokens:
-        params = msgspec.structs.replace(params, max_new_tokens=max_new)
+        min_new = min(params.min_new_tokens, max_new)
+        params = msgspec.structs.replace(params, max_new_tokens=max_new, min_new_tokens=min_new)
     peak = n_prompt + max_new
     if peak > config.max_total_tokens:
         return ReqError(
@@ -149,6 +162,10 @@ def make_req(msg: TokenizedGenerateReq, config: SchedulerConfig) -> Req | ReqErr
             f"prompt + max_new_tokens needs {peak} KV tokens; the whole KV pool holds "
             f"{config.max_total_tokens} (--max-total-tokens)",
         )
+    start = min(msg.logprob_start_len, n_prompt - 1)
+    prompt_only = start >= 0 and params.max_new_tokens == 0
+    if prompt_only:  # the prompt must run: one token is sampled, and not returned
+        params = msgspec.structs.replace(params, max_new_tokens=1, min_new_tokens=0)
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos:
         stop_ids |= config.eos_token_ids
@@ -161,4 +178,9 @@ def make_req(msg: TokenizedGenerateReq, config: SchedulerConfig) -> Req | ReqErr
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
         seen=SeenTokens.of(msg.input_ids, []) if params.has_penalties else None,
+        logprob_start_len=start,
+        # The first token of a prompt has no logprob: nothing came before it.
+        input_token_logprobs=[(None, msg.input_ids[0])] if start == 0 else [],
+        input_top_logprobs=[[]] if start == 0 else [],
+        prompt_only=prompt_only,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixserve.model_worker.batch import PenaltyTokens, SamplingBatchInfo
+from radixserve.model_worker.batch import LogitBias, PenaltyTokens, SamplingBatchInfo
 from radixserve.model_worker.sampler import GREEDY_TEMPERATURE
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
@@ -18,7 +18,7 @@ from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
 # Column order of each table.
 FLOATS = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")
 INTS = ("top_k", "seed", "top_logprobs_num")
-FLAGS = ("seeded", "return_logprob", "penalized", "greedy")
+FLAGS = ("seeded", "return_logprob", "penalized", "greedy", "biased")
 
 
 class SamplingRows:
@@ -39,7 +39,8 @@ class SamplingRows:
         )
         self.ints[row] = (p.top_k, p.seed or 0, req.top_logprobs_num)
         greedy = p.is_greedy or p.temperature < GREEDY_TEMPERATURE
-        self.flags[row] = (p.seed is not None, req.return_logprob, p.has_penalties, greedy)
+        biased = bool(p.logit_bias) or p.min_new_tokens > 0
+        self.flags[row] = (p.seed is not None, req.return_logprob, p.has_penalties, greedy, biased)
 
     def batch_info(
         self, reqs: list[Req], rows: torch.Tensor, output_index: torch.Tensor
@@ -49,7 +50,7 @@ class SamplingRows:
         floats = torch.from_numpy(self.floats[index].T.copy())
         ints = torch.from_numpy(self.ints[index].T.copy())
         flags = self.flags[index].T.copy()
-        seeded, return_logprob, _, _ = torch.from_numpy(flags)
+        seeded, return_logprob, _, _, _ = torch.from_numpy(flags)
         temperatures, top_ps, min_ps, rep, freq, pres = floats
         top_ks, seeds, top_logprobs_nums = ints
         return SamplingBatchInfo(
@@ -68,6 +69,7 @@ class SamplingRows:
             penalty_tokens=_penalty_tokens(reqs, flags[2]) if flags[2].any() else None,
             is_all_greedy=bool(flags[3].all()),
             any_logprob=bool(flags[1].any()),
+            logit_bias=_logit_bias(reqs, flags[4], output_index) if flags[4].any() else None,
         )
 
 
@@ -82,3 +84,27 @@ def _penalty_tokens(reqs: list[Req], penalised: np.ndarray) -> PenaltyTokens:
         seen.append(req_seen)
         future_ids.append(reqs[i].future_ids)
     return penalty_tokens(indices, seen, future_ids)
+
+
+def _logit_bias(reqs: list[Req], biased: np.ndarray, output_index: torch.Tensor) -> LogitBias:
+    """The biases of the requests whose `biased` flag is set: their logit_bias, and -inf on
+    their stop tokens (EOS unless ignore_eos, and stop_token_ids) for a row that samples an
+    output before min_new_tokens."""
+    rows: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i in np.flatnonzero(biased).tolist():
+        req = reqs[i]
+        params = req.sampling_params
+        rows += [i] * len(params.logit_bias)
+        token_ids += params.logit_bias.keys()
+        biases += params.logit_bias.values()
+        if int(output_index[i]) < params.min_new_tokens:
+            rows += [i] * len(req.stop_token_ids)
+            token_ids += req.stop_token_ids
+            biases += [float("-inf")] * len(req.stop_token_ids)
+    return LogitBias(
+        torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(token_ids, dtype=torch.int64),
+        torch.tensor(biases, dtype=torch.float32),
+    )

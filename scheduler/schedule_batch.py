@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +41,9 @@ class ScheduleBatch:
     # int64 [B]: the FutureMap slot of each sequence's sampled token; an emitted token in flight
     # is -slot in its request's future_ids
     future_slots: torch.Tensor
+    # Prompt logprobs: (sequence, first position, count) of each run of rows whose logits give
+    # the logprob of the prompt token after them; empty when no request asks.
+    prompt_spans: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def prepare(
@@ -63,12 +67,14 @@ class ScheduleBatch:
             shift = torch.cumsum(extend, 0) - extend - prefix  # token index - position
             positions = torch.arange(num_tokens) - torch.repeat_interleave(shift, extend)
             token_rows = torch.repeat_interleave(rows, extend)
+        spans: tuple[tuple[int, int, int], ...] = ()
         if num_tokens == len(reqs) and all(emits):  # each computes its last token
             input_ids = [r.last_token for r in reqs]
         else:
             input_ids = []
             for req, start, n in zip(reqs, prefix_lens, extend_lens):
                 input_ids += req.token_slice(start, start + n)
+            spans = prompt_spans(reqs, prefix_lens, extend_lens)
         return cls(
             reqs=reqs,
             prefix_lens=prefix_lens,
@@ -80,6 +86,7 @@ class ScheduleBatch:
             positions=positions,
             out_cache_loc=kv.alloc_extend(token_rows, positions),
             future_slots=future_slots,
+            prompt_spans=spans,
         )
 
     @property
@@ -104,4 +111,39 @@ class ScheduleBatch:
             extend_lens=extend,
             kv_slots=kv_slots,
             sampling=sampling_rows.batch_info(self.reqs, rows, output_index),
+            **self._prompt_logprob_rows(),
         )
+
+    def _prompt_logprob_rows(self) -> dict[str, Any]:
+        """ModelWorkerBatch's prompt_logprob_* fields for the batch's prompt spans."""
+        if not self.prompt_spans:
+            return {}
+        offsets = np.cumsum([0, *self.extend_lens])
+        rows: list[int] = []
+        targets: list[int] = []
+        for i, first, count in self.prompt_spans:
+            start = int(offsets[i]) + first - self.prefix_lens[i]
+            rows += range(start, start + count)
+            targets += self.reqs[i].origin_input_ids[first + 1 : first + 1 + count]
+        top = max(self.reqs[i].top_logprobs_num for i, _, _ in self.prompt_spans)
+        return {
+            "prompt_logprob_rows": torch.tensor(rows, dtype=torch.int64),
+            "prompt_logprob_targets": torch.tensor(targets, dtype=torch.int64),
+            "prompt_top_logprobs_num": top,
+        }
+
+
+def prompt_spans(
+    reqs: list[Req], prefix_lens: list[int], extend_lens: list[int]
+) -> tuple[tuple[int, int, int], ...]:
+    """For each request that wants prompt logprobs, the positions of this step's rows that
+    predict one of its prompt tokens from logprob_start_len on (position p predicts p + 1)."""
+    spans = []
+    for i, (req, prefix, extend) in enumerate(zip(reqs, prefix_lens, extend_lens)):
+        if req.logprob_start_len < 0:
+            continue
+        first = max(prefix, req.logprob_start_len - 1, 0)
+        end = min(prefix + extend, len(req.origin_input_ids) - 1)
+        if first < end:
+            spans.append((i, first, end - first))
+    return tuple(spans)

@@ -31,7 +31,7 @@ from radixserve.protocol.internal import ReqError, ReqTokenOut, TokenizedGenerat
 from radixserve.protocol.wire import FinishReason, ServerInfoReply
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_manager import KVManager, require
-from radixserve.scheduler.output import next_output, record_logprobs
+from radixserve.scheduler.output import next_output, record_logprobs, record_prompt_logprobs
 from radixserve.scheduler.prefill_adder import (
     NewTokenRatio,
     Planned,
@@ -155,6 +155,8 @@ class Scheduler:
         next_token_ids = result.next_token_ids.tolist()
         if result.token_logprobs is not None:
             record_logprobs(batch, result)
+        if result.prompt_logprobs is not None:
+            record_prompt_logprobs(batch, result)
         stats = self.stats
         stats.count_step(batch)
         context_len = self.config.context_len
@@ -163,6 +165,13 @@ class Scheduler:
                 continue
             if not emits:
                 continue  # a prefill chunk: its sampled token predicts nothing yet
+            if req.prompt_only:  # it ran for its prompt's logprobs: its sample is no output
+                req.future_ids.clear()
+                req.finished_reason = FinishReason("length")
+                self._remove(req)
+                self.kv.release(req)
+                self.outbox.append(next_output(req))
+                continue
             req.resolve_output(token)
             if req.seen is not None:
                 req.seen = req.seen.with_output(token)

@@ -65,7 +65,13 @@ class Admission:
                 seed = None if base.seed is None else _wrap_int64(base.seed + index)
                 params = msgspec.structs.replace(base, n=1, seed=seed)
             msg = TokenizedGenerateReq(
-                cid, input_ids, params, req.stream, req.return_logprob, req.top_logprobs_num
+                cid,
+                input_ids,
+                params,
+                req.stream,
+                req.return_logprob,
+                req.top_logprobs_num,
+                req.logprob_start_len if req.return_logprob else -1,
             )
             sends.append(self.link.send(msg))
         if request.aborted and not request.answered:

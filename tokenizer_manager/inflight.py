@@ -79,6 +79,8 @@ class Completion:
             e2e_latency=time.monotonic() - self.request.created,
             output_token_logprobs=token_logprobs,
             output_top_logprobs=top_logprobs,
+            input_token_logprobs=out.input_token_logprobs,
+            input_top_logprobs=out.input_top_logprobs,
         )
         return OutputReply(self.request.rid, text, ids, finished, meta, index=self.index)
 

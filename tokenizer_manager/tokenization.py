@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -71,26 +72,64 @@ class Tokenization:
         """The prompt's token ids; ValueError naming the field for ids outside the vocabulary,
         PromptTooLong for a text that cannot fit the context."""
         self._check_ids("sampling_params.stop_token_ids", req.sampling_params.stop_token_ids)
+        self._check_ids("sampling_params.logit_bias", list(req.sampling_params.logit_bias))
         if req.input_ids is not None:
             self._check_ids("input_ids", req.input_ids)
             return req.input_ids
         if req.messages is not None:
-            if tokenizer.chat_template is None:
-                raise ValueError("messages: this model has no chat template; send text")
-            self._check_length("messages", sum(len(m.content) for m in req.messages))
-            try:
-                text = tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in req.messages],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                )
-            except jinja2.TemplateError as e:  # its raise_exception: roles out of order, say
-                raise ValueError(f"messages: the model's chat template refused them: {e}") from None
-            # The template already wrote the special tokens (BOS, role markers).
-            return tokenizer(text, add_special_tokens=False).input_ids
+            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+            return self.chat_ids(tokenizer, messages)
         assert req.text is not None
         self._check_length("text", len(req.text))
         return tokenizer(req.text).input_ids
+
+    def chat_ids(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """A conversation's ids through the model's chat template, which also reads the tools
+        and any extra variables (chat_template_kwargs, e.g. enable_thinking)."""
+        if tokenizer.chat_template is None:
+            raise ValueError("messages: this model has no chat template; send text")
+        self._check_length("messages", _chat_size(messages))
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=True,
+                **(template_kwargs or {}),
+            )
+        except (jinja2.TemplateError, TypeError) as e:
+            # Its raise_exception (roles out of order, say), or a variable of the wrong type.
+            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+        # The template already wrote the special tokens (BOS, role markers).
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    async def chat_ids_async(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        """`chat_ids` on the lane its size picks (the OpenAI API's chat, whose messages and
+        tools the wire's do not carry)."""
+        lane = self._long if _chat_size(messages) > LONG_PROMPT_CHARS else self._short
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            lane.worker,
+            lambda: self.chat_ids(lane.tokenizer(), messages, tools, template_kwargs),
+        )
+
+    async def decode_async(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens kept (a prompt's, echoed)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._short.worker, lambda: str(self._short.tokenizer().decode(ids))
+        )
 
     def _check_ids(self, field: str, ids: list[int]) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
@@ -107,6 +146,10 @@ class Tokenization:
     def close(self) -> None:
         for lane in (self._short, self._long):
             lane.worker.shutdown(wait=False, cancel_futures=True)
+
+
+def _chat_size(messages: list[dict[str, Any]]) -> int:
+    return sum(len(m["content"] or "") for m in messages)
 
 
 def _prompt_size(req: GenerateRequest) -> int:

@@ -1,0 +1,279 @@
+"""Every OpenAI field clients send, with the real `openai` package against one live server of the
+tiny model (float32, a served name, both output parsers on): accepted and honoured, or refused
+with a 400 whose `param` names the field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from radixserve.client.local_server import LaunchedServer, launched_server
+
+NAME = "tiny-served"
+CONTEXT = 192
+CHAT = [{"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_served_model) -> Iterator[LaunchedServer]:
+    flags = (
+        *("--model", str(tiny_served_model), "--dtype", "float32", "--served-model-name", NAME),
+        *("--context-length", str(CONTEXT), "--max-total-tokens", "4096"),
+        *("--chunked-prefill-size", "48"),  # prompt logprobs come over several chunks
+        "--enable-overlap-schedule",  # the step after a chunk is planned before its logprobs
+        *("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3"),
+    )
+    with launched_server(*flags) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="-", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_served_model):
+    return AutoTokenizer.from_pretrained(tiny_served_model)
+
+
+def refused(call, param: str, code: int = 400) -> dict:
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    assert info.value.status_code == code, info.value.body
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
+    return error
+
+
+def test_served_model_name_and_the_fields_applications_send(oai):
+    assert [m.id for m in oai.models.list().data] == [NAME]
+    chat = oai.chat.completions.create(
+        model=NAME,
+        messages=[
+            {"role": "system", "content": "Be brief.", "name": "rules"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+            },
+        ],
+        max_tokens=4,
+        temperature=0,
+        user="u-1",
+        metadata={"trace": "abc"},
+        store=False,
+        service_tier="auto",
+        logit_bias={},
+        parallel_tool_calls=True,
+        extra_body={"separate_reasoning": True},
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    # A text given as parts is the same prompt as one string.
+    whole = oai.chat.completions.create(
+        model=NAME,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi there"},
+        ],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert whole.usage.prompt_tokens == chat.usage.prompt_tokens
+    refused(lambda: oai.completions.create(model="other", prompt="a"), "model", 404)
+
+
+def test_logit_bias_forces_and_bans_tokens(oai, tokenizer):
+    (forced,) = tokenizer(" the", add_special_tokens=False).input_ids
+    out = oai.completions.create(
+        model=NAME, prompt="Once upon", max_tokens=5, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert out.choices[0].text == " the" * 5
+    plain = oai.completions.create(
+        model=NAME, prompt="Once upon", max_tokens=1, temperature=0, logprobs=0
+    )
+    first = plain.choices[0].logprobs.tokens[0]
+    (first_id,) = tokenizer(first, add_special_tokens=False).input_ids[-1:]
+    banned = oai.completions.create(
+        model=NAME,
+        prompt="Once upon",
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(first_id): -100},
+    )
+    assert banned.choices[0].text != first
+    refused(
+        lambda: oai.completions.create(model=NAME, prompt="a", logit_bias={"5": 101}), "logit_bias"
+    )
+    refused(
+        lambda: oai.completions.create(model=NAME, prompt="a", logit_bias={"99999999": 1}),
+        "logit_bias",
+    )
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached(server, oai):
+    """The greedy first token made a stop token ends the completion at once; with min_tokens 4
+    it cannot be drawn until 4 tokens are out."""
+    body = {"text": "Once upon", "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+    first = httpx.post(f"{server.http_url}/generate", json=body, timeout=60).json()["output_ids"][0]
+    stop = {"stop_token_ids": [first]}
+    plain = oai.completions.create(
+        model=NAME, prompt="Once upon", max_tokens=8, temperature=0, extra_body=stop
+    )
+    assert plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    held = oai.completions.create(
+        model=NAME,
+        prompt="Once upon",
+        max_tokens=8,
+        temperature=0,
+        extra_body={**stop, "min_tokens": 4},
+    )
+    assert held.usage.completion_tokens >= 4
+    refused(
+        lambda: oai.completions.create(
+            model=NAME, prompt="a", max_tokens=2, extra_body={"min_tokens": 3}
+        ),
+        "min_tokens",
+    )
+
+
+def test_max_tokens_against_the_context(oai):
+    """Chat without max_tokens runs to the context; max_tokens past it is a 400."""
+    chat = oai.chat.completions.create(
+        model=NAME, messages=CHAT, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == CONTEXT
+    assert chat.choices[0].finish_reason == "length"
+    error = refused(
+        lambda: oai.chat.completions.create(model=NAME, messages=CHAT, max_tokens=CONTEXT),
+        "max_tokens",
+    )
+    assert error["code"] == "too_long" and str(CONTEXT) in error["message"]
+    refused(
+        lambda: oai.completions.create(model=NAME, prompt="Hi", max_tokens=CONTEXT), "max_tokens"
+    )
+
+
+def test_what_cannot_be_honoured_names_its_field(oai, server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    error = refused(
+        lambda: oai.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": [image]}]
+        ),
+        "messages",
+    )
+    assert "image_url" in error["message"]
+    refused(
+        lambda: oai.chat.completions.create(
+            model=NAME, messages=CHAT, extra_body={"frobnicate": 1}
+        ),
+        "frobnicate",
+    )
+    refused(
+        lambda: oai.chat.completions.create(model=NAME, messages=CHAT, temperature=-1),
+        "temperature",
+    )
+    refused(lambda: oai.chat.completions.create(model=NAME, messages=CHAT, n=0), "n")
+    # 404 and 405 in OpenAI's JSON shape.
+    for method, path, status in (
+        ("POST", "/v1/nothing", 404),
+        ("GET", "/v1/chat/completions", 405),
+    ):
+        r = httpx.request(method, f"{server.http_url}{path}", timeout=30)
+        assert r.status_code == status
+        assert r.json()["error"]["message"] and r.json()["error"]["type"]
+
+
+def test_tools_auto_none_and_required(oai):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    history = [
+        *CHAT,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    for choice in ("auto", "none"):
+        for stream in (False, True):
+            answer = oai.chat.completions.create(
+                model=NAME,
+                messages=history,
+                tools=tools,
+                tool_choice=choice,
+                max_tokens=6,
+                temperature=0,
+                stream=stream,
+            )
+            if stream:
+                chunks = list(answer)
+                assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            else:
+                # The tiny model's noise holds no call: it all stays content.
+                message = answer.choices[0].message
+                assert message.tool_calls is None and isinstance(message.content, str)
+                assert answer.choices[0].finish_reason in ("stop", "length")
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        refused(
+            lambda choice=choice: oai.chat.completions.create(
+                model=NAME, messages=CHAT, tools=tools, tool_choice=choice
+            ),
+            "tool_choice",
+        )
+
+
+def test_echo_loglikelihood_equals_a_transformers_forward(oai, tokenizer, tiny_served_model):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 0) over a prompt of three
+    prefill chunks: the prompt's token logprobs equal transformers' within 1e-3 in float32, the
+    first null; asked again (the prompt now in the prefix cache) and as token ids, the same."""
+    text = " ".join(f"word{i}" for i in range(40))
+    ids = tokenizer(text).input_ids
+    assert 96 < len(ids) < CONTEXT
+    model = AutoModelForCausalLM.from_pretrained(tiny_served_model, dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [logprobs[q - 1, ids[q]].item() for q in range(1, len(ids))]
+    for prompt in (text, text, ids):
+        out = oai.completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+        (choice,) = out.choices
+        assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+        assert choice.text == tokenizer.decode(ids) if prompt is ids else choice.text == text
+        got = choice.logprobs.token_logprobs
+        assert len(got) == len(ids) and got[0] is None
+        assert max(abs(a - b) for a, b in zip(got[1:], expected)) < 1e-3
+        assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in ids]
+        top = choice.logprobs.top_logprobs
+        assert top[0] is None
+        for q in range(1, len(ids)):
+            ((_, best),) = top[q].items()
+            assert abs(best - logprobs[q - 1].max().item()) < 1e-3
+    # With a completion after it: the prompt's logprobs, then the new tokens'.
+    more = oai.completions.create(
+        model=NAME, prompt=text, echo=True, logprobs=0, max_tokens=3, temperature=0
+    )
+    (choice,) = more.choices
+    plain = oai.completions.create(model=NAME, prompt=text, max_tokens=3, temperature=0)
+    assert choice.text == text + plain.choices[0].text
+    assert len(choice.logprobs.token_logprobs) == len(ids) + 3
+    assert (
+        max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs[1 : len(ids)], expected))
+        < 1e-3
+    )

@@ -1,0 +1,165 @@
+"""Tool calls and reasoning through the whole HTTP path, with a model output in their formats.
+
+No model here writes `<tool_call>` by itself (the tiny model's greedy text is noise), so the test
+plays the scheduler and the detokenizer (tm_harness): the real app and tokenizer manager take
+the `openai` package's request, the test reads the prompt the chat template rendered (with the
+tools and chat_template_kwargs), then answers with a tool call's text in the pieces the real
+tokenizer's incremental decoding makes, as the detokenizer would. The `openai` package parses
+the response, whole and streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from tm_harness import tokenizer_manager
+from transformers import AutoTokenizer
+
+from radixserve.http_server.app import build_app
+from radixserve.protocol.internal import TokenizedGenerateReq
+from radixserve.protocol.wire import FinishReason
+
+# A template that shows what reached it: the tools' names, enable_thinking, a tool call and a
+# tool's answer in the history.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }}({{ c.function.arguments.city }})"
+    "{% endfor %}{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    "{% endif %}{% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}"
+    "<|im_start|>assistant\n"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+OUTPUT = (
+    "<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+HISTORY = [
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Lyon?"}],
+    },
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "user", "content": "And in Paris?", "name": "ann"},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_served_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tools-template")
+    for item in tiny_served_model.iterdir():
+        if item.name != "chat_template.jinja":
+            (path / item.name).symlink_to(item)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return path
+
+
+def detokenized_pieces(model_dir: Path, text: str) -> list[tuple[int, str]]:
+    """(token, new text) for each token of `text`, as incremental decoding hands them out."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    pieces, before = [], ""
+    for k in range(len(ids)):
+        now = tokenizer.decode(ids[: k + 1])
+        pieces.append((ids[k], now[len(before) :]))
+        before = now
+    assert "".join(p for _, p in pieces) == text
+    return pieces
+
+
+async def serve_one(model_dir: Path, stream: bool, **create: Any) -> tuple[Any, str]:
+    """The SDK's answer to one chat request, the scheduler's part played by the test; and the
+    prompt the template rendered."""
+    async with tokenizer_manager(
+        model_dir, tool_call_parser="qwen25", reasoning_parser="qwen3"
+    ) as h:
+        transport = httpx.ASGITransport(app=build_app(h.manager))
+        http = httpx.AsyncClient(transport=transport, base_url="http://t")
+        client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="-", http_client=http)
+
+        async def ask() -> Any:
+            answer = await client.chat.completions.create(
+                model=str(model_dir), messages=HISTORY, tools=TOOLS, stream=stream, **create
+            )
+            return [chunk async for chunk in answer] if stream else answer
+
+        task = asyncio.create_task(ask())
+        msg = await h.to_scheduler()
+        assert isinstance(msg, TokenizedGenerateReq)
+        prompt = AutoTokenizer.from_pretrained(model_dir).decode(msg.input_ids)
+        pieces = detokenized_pieces(model_dir, OUTPUT)
+        for k, (token, text) in enumerate(pieces):
+            end = FinishReason("stop", 0) if k == len(pieces) - 1 else None
+            await h.output(msg.rid, [token], end, text=text)
+        return await asyncio.wait_for(task, 30), prompt
+
+
+def test_tools_and_template_kwargs_reach_the_template_and_the_call_parses(model_dir):
+    kwargs = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    answer, prompt = asyncio.run(serve_one(model_dir, False, tool_choice="auto", **kwargs))
+    assert "TOOLS:get_weather;" in prompt and "NOTHINK" in prompt
+    assert "Weather in Lyon?" in prompt and "CALL get_weather(Lyon)" in prompt
+    assert "sunny FOR call_1" in prompt
+    (choice,) = answer.choices
+    assert choice.finish_reason == "tool_calls"
+    message = choice.message
+    assert message.content == "Let me check.\n"
+    assert message.reasoning_content == "\nThe user wants the weather.\n"
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_streamed_tool_call_id_and_name_then_arguments(model_dir):
+    chunks, _ = asyncio.run(serve_one(model_dir, True))
+    reasoning = content = ""
+    calls: list[dict[str, Any]] = []
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        delta = choice.delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.id is not None:  # a call's first delta: its id, type and name
+                assert call.index == len(calls) and call.function.name == "get_weather"
+                assert call.type == "function" and not call.function.arguments
+                calls.append({"id": call.id, "arguments": ""})
+            else:
+                assert call.function.name is None
+                calls[call.index]["arguments"] += call.function.arguments
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert reasoning == "\nThe user wants the weather.\n" and content == "Let me check.\n"
+    assert len(calls) == 1 and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    # The tags came split over several pieces, as the tokenizer cut them.
+    assert len(chunks) > 10
