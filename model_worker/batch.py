@@ -47,6 +47,10 @@ class SamplingBatchInfo:
     penalty_tokens: PenaltyTokens | None  # None: no sequence has a penalty
     is_all_greedy: bool  # no row samples: argmax, unless penalties change the logits
     any_logprob: bool
+    # The tokens each row may sample (constrained decoding): xgrammar's packed bitmask, int32
+    # [B, ceil(V / 32)], bit j of word w allowing token 32 * w + j; a row without a grammar is
+    # all ones (-1). None: no row of the batch is constrained.
+    vocab_mask: torch.Tensor | None = None
 
     @property
     def has_penalties(self) -> bool:

@@ -1,8 +1,11 @@
 """Next-token sampling: one batched call, each row with its own sampling parameters.
 
-The order is SGLang's and vLLM's: penalties on the raw logits -> greedy rows take the argmax ->
+The order is SGLang's and vLLM's: the grammar's vocab mask first (constrained decoding: the
+disallowed tokens' logits become -inf), then penalties on the logits -> greedy rows take the argmax ->
 temperature -> softmax -> top_k -> top_p -> min_p -> draw. Work a batch does not ask for is
-skipped: an all-greedy batch without penalties or logprobs is one argmax. Everything per request
+skipped: an all-greedy batch without penalties or logprobs is one argmax. Logprobs are of the
+masked logits, as both peers report them (their masks are applied to the logits before the
+sampler sees them): a constrained row's chosen token is always finite. Everything per request
 comes with the batch; the sampler keeps only the generator unseeded rows draw from.
 """
 
@@ -28,6 +31,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         """float32 logits [B, V] -> the next tokens (and logprobs if asked for), on the CPU."""
+        if info.vocab_mask is not None:
+            logits = apply_vocab_mask(logits, info.vocab_mask)
         if info.is_all_greedy and not info.has_penalties and not info.any_logprob:
             return SampleOutput(logits.argmax(dim=-1).cpu())
         processed = apply_penalties(logits, info)
@@ -38,6 +43,16 @@ class Sampler:
         if not info.any_logprob:
             return SampleOutput(tokens.cpu())
         return _with_logprobs(logits, tokens, info)
+
+
+def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> torch.Tensor:
+    """The logits [B, V] with the tokens the packed bitmask int32 [B, ceil(V / 32)] disallows at
+    -inf (a new tensor). Unpacked with shifts on the logits' device: one elementwise pass."""
+    vocab = logits.shape[-1]
+    words = vocab_mask.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).reshape(words.shape[0], -1)[:, :vocab]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 # Top-k / top-p filter among this many likeliest tokens instead of sorting the whole vocabulary,
