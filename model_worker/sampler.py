@@ -1,7 +1,7 @@
 """Next-token sampling: one batched call, each row with its own sampling parameters.
 
 The order is SGLang's and vLLM's: the grammar's vocab mask first (constrained decoding: the
-disallowed tokens' logits become -inf), then penalties on the logits -> greedy rows take the argmax ->
+disallowed tokens' logits become -inf), then penalties -> greedy rows take the argmax ->
 temperature -> softmax -> top_k -> top_p -> min_p -> draw. Work a batch does not ask for is
 skipped: an all-greedy batch without penalties or logprobs is one argmax. Logprobs are of the
 masked logits, as both peers report them (their masks are applied to the logits before the
