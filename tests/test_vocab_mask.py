@@ -12,7 +12,7 @@ import xgrammar as xgr
 
 from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.batch_codec import decode_batch, encode_batch
-from radixserve.model_worker.sampler import Sampler, apply_vocab_mask
+from radixserve.model_worker.sampler import Sampler, apply_vocab_mask, unpack_vocab_mask
 from radixserve.scheduler.seen_tokens import SeenTokens
 from tests.test_sampler import make_info, random_logits
 
@@ -45,10 +45,16 @@ def test_apply_vocab_mask_equals_xgrammars_own() -> None:
     logits, mask = random_logits(6, vocab=VOCAB), random_mask(6, seed=1)
     expected = logits.clone()
     xgr.apply_token_bitmask_inplace(expected, mask)
-    masked = apply_vocab_mask(logits, mask)
+    masked = apply_vocab_mask(logits.clone(), mask)
     assert torch.equal(masked, expected)
     assert torch.isinf(masked[:-1]).sum() == 5 * (VOCAB - 3)
     assert torch.equal(masked[-1], logits[-1])  # the unconstrained row is untouched
+    # The unpacking other devices use (and xgrammar's CPU kernel) agree bit for bit.
+    allowed = unpack_vocab_mask(mask, VOCAB)
+    assert torch.equal(allowed, torch.isfinite(expected))
+    for dtype in (torch.bfloat16, torch.float16):  # not xgrammar's CPU kernel: the shifts
+        half = apply_vocab_mask(logits.to(dtype), mask)
+        assert torch.equal(torch.isfinite(half), allowed)
 
 
 @pytest.mark.parametrize(
