@@ -205,8 +205,9 @@ class SchedulerProcess:
         scheduler = self.scheduler
         match msg:
             case TokenizedGenerateReq():
-                if len(scheduler.waiting) >= self.max_queued_requests:
-                    message = f"{len(scheduler.waiting)} requests wait (--max-queued-requests)"
+                queued = len(scheduler.waiting) + scheduler.grammars_compiling
+                if queued >= self.max_queued_requests:
+                    message = f"{queued} requests wait (--max-queued-requests)"
                     self._reply(ReqError(msg.rid, "overloaded", message))
                     return
                 error = scheduler.add_request(msg)
