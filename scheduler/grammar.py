@@ -81,8 +81,9 @@ class GrammarBackend:
 
                 tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-                # Our own cache above: xgrammar's would keep a second copy.
-                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+                # Our own cache above: xgrammar's would keep a second copy. One thread per
+                # compile: the forward's threads already take every core.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
 
