@@ -76,9 +76,9 @@ def test_chat_parse_returns_the_pydantic_object(oai, model) -> None:
 def test_json_object_output_parses(oai, model) -> None:
     reply = oai.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": "Give me a small JSON object about a cat."}],
+        messages=[{"role": "user", "content": 'Repeat this JSON: {"name": "Tom", "age": 3}'}],
         response_format={"type": "json_object"},
-        max_tokens=150,
+        max_tokens=200,
         temperature=0,
     )
     assert reply.choices[0].finish_reason == "stop"
