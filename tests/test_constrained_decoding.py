@@ -85,16 +85,18 @@ def make_scheduler(runner: ModelRunner, model: Path, enable_overlap: bool) -> Sc
 
 
 def gen(rid: str, ids: list[int], **params) -> TokenizedGenerateReq:
-    sp = SamplingParams(**{"max_new_tokens": 40, "temperature": 1.0, **params})
+    # 80: room for the longest output of each grammar, one token per character, and EOS.
+    sp = SamplingParams(**{"max_new_tokens": 80, "temperature": 1.0, **params})
     return TokenizedGenerateReq(rid, ids, sp, stream=False)
 
 
-def run(s: Scheduler, timeout_s: float = 120) -> dict[str, list]:
+def run(s: Scheduler, timeout_s: float = 300) -> dict[str, list]:
     outs: dict[str, list] = {}
     deadline = time.monotonic() + timeout_s
     while s.has_unfinished():
         assert time.monotonic() < deadline, "the scheduler did not finish"
-        s.step()
+        if s.step() is None:
+            time.sleep(0.005)  # grammars compiling: as the event loop, do not spin on the GIL
         for out in s.outbox:
             outs.setdefault(out.rid, []).append(out)
         s.outbox = []
@@ -113,7 +115,8 @@ def test_every_constrained_output_matches_in_mixed_batches_with_retraction(
         field = ("regex", "ebnf", "json_schema", None)[i % 4]
         grammar = {field: SPECS[field]} if field else {"ignore_eos": True, "max_new_tokens": 120}
         # Seeded and unseeded, greedy and sampled, with logprobs on some.
-        msg = gen(f"r{i}", ids, seed=i if i % 3 else None, **grammar)
+        # (Seeded draws hash the whole vocabulary: few of them keep the test short.)
+        msg = gen(f"r{i}", ids, seed=i if field and i % 3 == 1 else None, **grammar)
         if i % 5 == 0:
             msg = TokenizedGenerateReq(msg.rid, ids, msg.sampling_params, False, True, 2)
         assert s.add_request(msg) is None
