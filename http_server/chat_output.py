@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.http_server.reasoning_parser import ReasoningParser
-from radixserve.http_server.tool_parser import CallDelta, merge_calls, tool_call_parser
+from radixserve.http_server.tool_parser import CallDelta, ToolCallParser, merge_calls
 
 
 class ChatOutput:
-    def __init__(self, reasoning_parser: str | None, tool_parser: str | None):
+    def __init__(self, reasoning_parser: str | None, tools: ToolCallParser | None):
         self.reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
-        self.tools = None if tool_parser is None else tool_call_parser(tool_parser)
+        self.tools = tools
         self.called = False  # a tool call went out
 
     def delta(self, text: str, finished: bool) -> dict[str, Any]:

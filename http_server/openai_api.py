@@ -32,7 +32,9 @@ from radixserve.http_server.openai_protocol import (
     BadField,
     ChatCompletionRequest,
     CompletionRequest,
+    NamedToolChoice,
 )
+from radixserve.http_server.tool_parser import ForcedCalls, ToolCallParser, tool_call_parser
 from radixserve.protocol.wire import GenerateRequest, OutputReply
 from radixserve.tokenizer_manager.sampling_defaults import fill_sampling_defaults
 from radixserve.tokenizer_manager.tokenization import PromptTooLong
@@ -137,9 +139,21 @@ class OpenAIApi:
         input_ids = await _tokenized(tokenization.chat_ids_async(messages, tools, kwargs))
         generate, sent = _checked(protocol.chat_generate, req, input_ids, self.context_length)
         reasoning = self.reasoning_parser if req.separate_reasoning else None
-        tool_parser = self.tool_call_parser if req.parses_tools else None
-        choices = _Choices(req.n, None, lambda: ChatOutput(reasoning, tool_parser))
+        tools = self._tool_calls(req)
+        choices = _Choices(req.n, None, lambda: ChatOutput(reasoning, tools()))
         return await self._respond(request, req, [generate], sent, choices)
+
+    def _tool_calls(self, req: ChatCompletionRequest) -> Callable[[], ToolCallParser | None]:
+        """What reads each choice's tool calls: the forced call's JSON when tool_choice forces
+        one (constrained decoding wrote it), else --tool-call-parser when tools may be called."""
+        choice = req.tool_choice
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            function = None if isinstance(choice, str) else choice.function.name
+            return lambda: ForcedCalls(function)
+        parser = self.tool_call_parser
+        if parser is None or not req.parses_tools:
+            return lambda: None
+        return lambda: tool_call_parser(parser)
 
     async def _decode(self, request: Request, decoder: msgspec.json.Decoder) -> Any:
         req = await self._decoded(request, decoder)

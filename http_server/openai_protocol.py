@@ -13,15 +13,18 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from radixserve.http_server.tool_grammar import tool_call_schema
 from radixserve.protocol.wire import (
     MAX_INPUT_IDS,
     MAX_MESSAGES,
     MAX_TOP_LOGPROBS,
     GenerateRequest,
+    GrammarSpec,
     LogitBias,
     SamplingParams,
     StopStrings,
     StopTokenIds,
+    check_grammar,
 )
 
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
@@ -31,6 +34,8 @@ MAX_NAME_CHARS = 256
 # OpenAI's limits on `metadata`: 16 pairs, keys of 64 characters, values of 512.
 MAX_METADATA = 16
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+# `json_object` output: any JSON object (SGLang's schema for it).
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 Metadata = Annotated[
     dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
     msgspec.Meta(max_length=MAX_METADATA),
@@ -56,6 +61,18 @@ def field_of(error: msgspec.ValidationError) -> str | None:
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: Name
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    strict: bool | None = None  # accepted; the output always follows the schema
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _OpenAIRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -84,6 +101,10 @@ class _OpenAIRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_tokens: int = 0
     stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool | None = None
+    # Constrained decoding: OpenAI's response_format, and SGLang's extras regex and ebnf.
+    response_format: ResponseFormat | None = None
+    regex: GrammarSpec | None = None
+    ebnf: GrammarSpec | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -193,6 +214,7 @@ def sampling_params(req: _OpenAIRequest, max_tokens: int) -> tuple[SamplingParam
         given["logit_bias"] = req.logit_bias
     if req.stop is not None:
         given["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    given |= grammar_params(req)
     try:
         params = msgspec.convert(given, SamplingParams)
     except msgspec.ValidationError as e:
@@ -233,6 +255,56 @@ def max_new_tokens(requested: int | None, default: int | None, prompt: int, cont
             "too_long",
         )
     return requested
+
+
+def grammar_params(req: _OpenAIRequest) -> dict[str, str]:
+    """The wire's grammar field ({"json_schema" | "regex" | "ebnf": spec}, or nothing) of the
+    request's constraint: response_format, regex, ebnf, or a tool_choice that forces a call.
+    ValueError names the fields when more than one is given, or the one at fault."""
+    constraints: dict[str, tuple[str, str]] = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        constraints["response_format"] = ("json_schema", JSON_OBJECT_SCHEMA)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise BadField(
+                "response_format", "response_format: type json_schema needs its json_schema"
+            )
+        schema = fmt.json_schema.schema
+        text = JSON_OBJECT_SCHEMA if schema is None else msgspec.json.encode(schema).decode()
+        constraints["response_format"] = ("json_schema", text)
+    for name in ("regex", "ebnf"):
+        if getattr(req, name) is not None:
+            constraints[name] = (name, getattr(req, name))
+    if isinstance(req, ChatCompletionRequest):
+        try:
+            tool_schema = forced_tool_schema(req)
+        except ValueError as e:
+            raise BadField("tool_choice", str(e)) from None
+        if tool_schema is not None:
+            constraints["tool_choice"] = ("json_schema", tool_schema)
+    if len(constraints) > 1:
+        raise BadField(
+            next(iter(constraints)), f"only one of {', '.join(constraints)} may be given"
+        )
+    for name, (field, spec) in constraints.items():
+        try:
+            check_grammar(field, spec)
+        except ValueError as e:
+            raise BadField(name, f"{name}: {e}") from None
+        return {field: spec}
+    return {}
+
+
+def forced_tool_schema(req: ChatCompletionRequest) -> str | None:
+    """The JSON schema that enforces a tool call when tool_choice is "required" or names a
+    function (tool_grammar.py); None otherwise."""
+    choice = req.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return None
+    functions = {tool.function.name: tool.function.parameters for tool in req.tools or []}
+    name = None if isinstance(choice, str) else choice.function.name
+    return tool_call_schema(functions, name)
 
 
 def completion_generates(
@@ -280,17 +352,11 @@ def chat_generate(
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> None:
-    """`required` and a named function need the constrained decoding of issue 23's other half;
-    `none` and `auto` are served here."""
+    """Any tool_choice but `none` needs tools (a named one among them: forced_tool_schema)."""
     choice = req.tool_choice
-    if choice is None or choice in ("none", "auto"):
-        if choice == "auto" and not req.tools:
-            raise BadField("tool_choice", "tool_choice 'auto' needs tools")
-        return
-    shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
-    raise BadField(
-        "tool_choice", f"tool_choice {shown} is not supported by this server yet (none, auto)"
-    )
+    if choice is not None and choice != "none" and not req.tools:
+        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+        raise BadField("tool_choice", f"tool_choice {shown} needs tools")
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.http_server.reasoning_parser import held_back
+from radixserve.http_server.tool_grammar import constrained_tool_calls
 
 TOOL_CALL_PARSERS = ("qwen25", "llama3")
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -193,12 +194,7 @@ class _Llama3:
     def finish(self) -> Parsed:
         text, self.buffer = self.buffer, ""
         calls = _llama3_calls(text.strip().removeprefix(self.TAG).strip())
-        if calls is None:
-            return Parsed(content=text)
-        out = Parsed()
-        for index, (name, arguments) in enumerate(calls):
-            out.calls += [CallDelta(index, "", new_call_id(), name), CallDelta(index, arguments)]
-        return out
+        return Parsed(content=text) if calls is None else _whole_calls(calls)
 
 
 def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
@@ -218,7 +214,36 @@ def _llama3_calls(text: str) -> list[tuple[str, str]] | None:
     return calls or None
 
 
-ToolCallParser = _Qwen25 | _Llama3
+class ForcedCalls:
+    """tool_choice "required" or a named function: the output is the JSON that tool_grammar's
+    schema forces, read back whole at the end (it is not the model's own call format, so no
+    parser above can stream it). An output cut short (max_tokens) stays text."""
+
+    def __init__(self, function: str | None):
+        self.function = function  # None: "required", any of the tools
+        self.buffer = ""
+
+    def feed(self, text: str) -> Parsed:
+        self.buffer += text
+        return Parsed()
+
+    def finish(self) -> Parsed:
+        text, self.buffer = self.buffer, ""
+        try:
+            return _whole_calls(constrained_tool_calls(text, self.function))
+        except ValueError:
+            return Parsed(content=text)
+
+
+def _whole_calls(calls: list[tuple[str, str]]) -> Parsed:
+    """Complete calls (name, arguments' JSON) as the deltas of a call's first and only chunk."""
+    out = Parsed()
+    for index, (name, arguments) in enumerate(calls):
+        out.calls += [CallDelta(index, "", new_call_id(), name), CallDelta(index, arguments)]
+    return out
+
+
+ToolCallParser = _Qwen25 | _Llama3 | ForcedCalls
 
 
 def tool_call_parser(name: str) -> ToolCallParser:

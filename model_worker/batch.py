@@ -59,6 +59,10 @@ class SamplingBatchInfo:
     is_all_greedy: bool  # no row samples: argmax, unless penalties change the logits
     any_logprob: bool
     logit_bias: LogitBias | None = None  # None: no sequence has a bias or a minimum length
+    # The tokens each row may sample (constrained decoding): xgrammar's packed bitmask, int32
+    # [B, ceil(V / 32)], bit j of word w allowing token 32 * w + j; a row without a grammar is
+    # all ones (-1). None: no row of the batch is constrained.
+    vocab_mask: torch.Tensor | None = None
 
     @property
     def has_penalties(self) -> bool:

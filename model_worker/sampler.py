@@ -1,9 +1,12 @@
 """Next-token sampling: one batched call, each row with its own sampling parameters.
 
-The order is SGLang's and vLLM's: logit_bias (and min_new_tokens' mask) -> penalties on the
-raw logits -> greedy rows take the argmax -> temperature -> softmax -> top_k -> top_p -> min_p ->
-draw. Work a batch does not ask for is skipped: an all-greedy batch without penalties, biases or
-logprobs is one argmax. Everything per request
+The order is SGLang's and vLLM's: the grammar's vocab mask first (constrained decoding: the
+disallowed tokens' logits become -inf) -> logit_bias (and min_new_tokens' mask) -> penalties ->
+greedy rows take the argmax -> temperature -> softmax -> top_k -> top_p -> min_p -> draw. Work a
+batch does not ask for is skipped: an all-greedy batch without penalties, biases or logprobs is
+one argmax. Logprobs are of the masked logits, as both peers report them (their masks are applied
+to the logits before the sampler sees them), and before biases and penalties: a constrained row's
+chosen token is always finite. Everything per request
 comes with the batch; the sampler keeps only the generator unseeded rows draw from.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from radixserve.model_worker.batch import SampleOutput, SamplingBatchInfo
 from radixserve.model_worker.penalties import apply_logit_bias, apply_penalties
@@ -29,6 +33,8 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         """float32 logits [B, V] -> the next tokens (and logprobs if asked for), on the CPU."""
+        if info.vocab_mask is not None:
+            logits = apply_vocab_mask(logits, info.vocab_mask)
         plain = not info.has_penalties and info.logit_bias is None
         if info.is_all_greedy and plain and not info.any_logprob:
             return SampleOutput(logits.argmax(dim=-1).cpu())
@@ -40,6 +46,28 @@ class Sampler:
         if not info.any_logprob:
             return SampleOutput(tokens.cpu())
         return _with_logprobs(logits, tokens, info)
+
+
+def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> torch.Tensor:
+    """The logits [B, V], in place, with the tokens the packed bitmask int32 [B, ceil(V / 32)]
+    disallows at -inf, in the constrained rows only (a row of all ones is left alone). On the
+    CPU xgrammar's own kernel does it (3x faster than the shifts below on float32)."""
+    rows = (vocab_mask != -1).any(dim=1).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return logits
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        xgr.apply_token_bitmask_inplace(logits, vocab_mask, indices=rows.tolist())
+        return logits
+    device_rows = rows.to(logits.device)
+    allowed = unpack_vocab_mask(vocab_mask[rows].to(logits.device), logits.shape[-1])
+    logits[device_rows] = logits[device_rows].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def unpack_vocab_mask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 [N, W] -> bool [N, vocab]: bit j of word w is token 32 * w + j."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return (((words[:, :, None] >> shifts) & 1) == 1).reshape(words.shape[0], -1)[:, :vocab]
 
 
 # Top-k / top-p filter among this many likeliest tokens instead of sorting the whole vocabulary,

@@ -27,6 +27,10 @@ MAX_API_KEY_CHARS = 256
 # it builds millions of objects.
 MAX_INPUT_IDS = 1 << 20  # past any context length served here
 MAX_MESSAGES = 4096
+# A grammar spec (json_schema, regex or ebnf) in UTF-8 bytes: compiling one costs time and memory
+# that grow with it, on the scheduler's compile threads.
+MAX_GRAMMAR_BYTES = 128 * 1024
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 StopStrings = Annotated[
     list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
@@ -37,6 +41,7 @@ LogitBias = Annotated[
     dict[int, Annotated[float, msgspec.Meta(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
     msgspec.Meta(max_length=MAX_LOGIT_BIAS),
 ]
+GrammarSpec = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GRAMMAR_BYTES)]
 
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -57,6 +62,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     # EOS and the stop tokens cannot be drawn before this many new tokens (SGLang's name).
     min_new_tokens: int = 0
     logit_bias: LogitBias = {}  # token id -> added to its logit before penalties
+    # Constrained decoding (SGLang's names), at most one: the output follows a JSON schema (a
+    # JSON text), a regular expression, or an EBNF grammar (xgrammar's dialect, root rule `root`).
+    json_schema: GrammarSpec | None = None
+    regex: GrammarSpec | None = None
+    ebnf: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -84,6 +94,20 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.grammar is not None:
+            check_grammar(*self.grammar)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field, spec) of the request's grammar, None when unconstrained. ValueError names the
+        fields when more than one is given."""
+        given = [(f, getattr(self, f)) for f in GRAMMAR_FIELDS if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"only one of json_schema, regex, ebnf may be given, not {given[0][0]} "
+                f"and {given[1][0]}"
+            )
+        return given[0] if given else None
 
     @property
     def is_greedy(self) -> bool:
@@ -144,6 +168,21 @@ class AbortRequest(_Request, tag="abort"):
 
     def __post_init__(self) -> None:
         check_rid(self.rid)
+
+
+def check_grammar(field: str, spec: str) -> None:
+    """What can be checked of a grammar spec without compiling it: its size, and that a JSON
+    schema is JSON. The rest (an unsupported schema, a bad regex) is found by the scheduler's
+    compile, which answers with an error naming the field as well."""
+    if len(spec.encode()) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{field} must be at most {MAX_GRAMMAR_BYTES} bytes")
+    if field == "json_schema":
+        try:
+            schema = msgspec.json.decode(spec)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("json_schema must be a JSON object (a schema)")
 
 
 def check_rid(rid: str | None) -> None:

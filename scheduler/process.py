@@ -41,10 +41,15 @@ from radixserve.protocol.internal import (
 )
 from radixserve.protocol.wire import FinishReason, ModelInfoReply
 from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.grammar import GrammarBackend
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_args import RankPlacement, ServerArgs
 
 logger = logging.getLogger("radixserve.scheduler")
+
+# While grammars compile and nothing runs, look for them this often (the compile threads cannot
+# wake the loop's ZMQ poll).
+GRAMMAR_POLL_MS = 5
 
 
 def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlacement) -> ModelRunner:
@@ -132,7 +137,7 @@ def build_scheduler(
         vocab_size=model.vocab_size,
         dtype=str(runner.dtype).removeprefix("torch."),
     )
-    return Scheduler(config, worker), info
+    return Scheduler(config, worker, GrammarBackend(model_path, model.vocab_size)), info
 
 
 class SchedulerProcess:
@@ -172,10 +177,12 @@ class SchedulerProcess:
             self.heartbeat.beat()
             # Sleep until a message comes when the last step ran nothing: then nothing can run
             # until something changes (idle, or waiting requests that do not fit yet).
-            msgs = self.recv_requests(block=not ran)
+            compiling = bool(scheduler.grammars_compiling)
+            idle_wait_ms = GRAMMAR_POLL_MS if compiling else int(HEARTBEAT_INTERVAL_S * 1000)
+            msgs = self.recv_requests(0 if ran else idle_wait_ms)
             for msg in msgs:
                 self.process_input_request(msg)
-            if ran or msgs:
+            if ran or msgs or compiling:
                 was_running, ran = ran, scheduler.step() is not None
                 self.stream_output()
                 if was_running and not ran:
@@ -183,11 +190,11 @@ class SchedulerProcess:
             if not ran:
                 self.worker.keep_alive()  # the other TP ranks beat on rank 0's broadcasts
 
-    def recv_requests(self, block: bool) -> list[msgspec.Struct]:
-        """Everything queued now; when idle, first sleep until something arrives (or it is time
-        to beat)."""
-        if block:
-            self.recv_from_tokenizer.poll(int(HEARTBEAT_INTERVAL_S * 1000))
+    def recv_requests(self, wait_ms: int) -> list[msgspec.Struct]:
+        """Everything queued now; with `wait_ms` (idle), first sleep until something arrives or
+        that long has passed (time to beat, or to look at the compiling grammars)."""
+        if wait_ms:
+            self.recv_from_tokenizer.poll(wait_ms)
         msgs: list[msgspec.Struct] = []
         while True:
             try:
@@ -200,8 +207,9 @@ class SchedulerProcess:
         scheduler = self.scheduler
         match msg:
             case TokenizedGenerateReq():
-                if len(scheduler.waiting) >= self.max_queued_requests:
-                    message = f"{len(scheduler.waiting)} requests wait (--max-queued-requests)"
+                queued = len(scheduler.waiting) + scheduler.grammars_compiling
+                if queued >= self.max_queued_requests:
+                    message = f"{queued} requests wait (--max-queued-requests)"
                     self._reply(ReqError(msg.rid, "overloaded", message))
                     return
                 error = scheduler.add_request(msg)
@@ -224,6 +232,9 @@ class SchedulerProcess:
                 self._answer(ModelInfoOut(qid, self.model_info))
 
     def stream_output(self) -> None:
+        for error in self.scheduler.errors:
+            self._reply(error)
+        self.scheduler.errors = []
         outbox = self.scheduler.outbox
         if outbox:
             self.send_to_detokenizer.send(self.codec.encode(BatchTokenOut(outbox)))

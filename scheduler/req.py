@@ -10,7 +10,7 @@ The vLLM v1 view: a request is `num_computed_tokens` (tokens whose KV is in the 
 While it runs it holds a KVHandle from KVManager: its row, whose first `kv.cached_len` slots
 belong to the prefix cache; the rest, up to `num_computed_tokens`, are the request's own.
 Who writes what: KVManager `kv`; the scheduler the progress (`num_computed_tokens`, outputs,
-`future_ids`, `seen`) and the end (`finished_reason`); output.py `num_sent_tokens`.
+`future_ids`, `seen`, `grammar`) and the end (`finished_reason`); output.py `num_sent_tokens`.
 
 A step counts as done when it is launched: its emitted token joins the request at once as a
 placeholder in `future_ids` (negative, FutureMap's), and becomes a real token in `output_ids`
@@ -21,6 +21,7 @@ this one still runs (overlap scheduling); without overlap the result comes back 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -29,6 +30,9 @@ from radixserve.protocol.wire import FinishReason, SamplingParams
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.scheduler.seen_tokens import SeenTokens
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +69,10 @@ class Req:
         matched in the prefix cache (SGLang does the same)."""
         start = self.logprob_start_len
         return start >= 0 and start + len(self.input_token_logprobs) < len(self.origin_input_ids)
+
+    # Its grammar's matcher (constrained decoding, scheduler/grammar.py), from when its grammar
+    # compiled: it has accepted exactly `output_ids`.
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_outputs(self) -> int:

@@ -11,7 +11,9 @@ so the scheduler's Python runs while the model computes. A launched step counts 
 planning: its tokens are placeholders (Req.future_ids) until its result comes back. A request
 that finishes by a stop token has then already been given one more step, whose token is dropped
 (its KV is valid, and is cached or freed with the rest). Without overlap the result is processed
-at once, through the same code.
+at once, through the same code. A step after one with constrained requests does not overlap it:
+their next vocab mask needs the tokens just sampled (scheduler/grammar.py), so the step in flight
+is processed first (SGLang instead delays filling the mask on its worker thread).
 
 The data path, one way: TokenizedGenerateReq -> Req -> ScheduleBatch -> ModelWorkerBatch ->
 (model worker: ForwardBatch -> logits -> SampleOutput) -> Req.output_ids -> ReqTokenOut.
@@ -30,6 +32,13 @@ from radixserve.model_worker.overlap_worker import ModelWorker, OverlapWorker
 from radixserve.protocol.internal import ReqError, ReqTokenOut, TokenizedGenerateReq
 from radixserve.protocol.wire import FinishReason, ServerInfoReply
 from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.grammar import (
+    GrammarBackend,
+    GrammarQueue,
+    accept_token,
+    has_grammar,
+    vocab_mask,
+)
 from radixserve.scheduler.kv_manager import KVManager, require
 from radixserve.scheduler.output import next_output, record_logprobs, record_prompt_logprobs
 from radixserve.scheduler.prefill_adder import (
@@ -51,7 +60,9 @@ RETRACT_DECODE_STEPS = 20
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, worker: ModelWorker):
+    def __init__(
+        self, config: SchedulerConfig, worker: ModelWorker, grammars: GrammarBackend | None = None
+    ):
         self.config = config
         self.worker = worker
         self.kv = KVManager(
@@ -71,6 +82,9 @@ class Scheduler:
         self.new_token_ratio = NewTokenRatio()
         self.stats = SchedulerStats()
         self.outbox: list[ReqTokenOut] = []  # outputs for the detokenizer, drained by the loop
+        # Requests whose grammar compiles (None: no grammar backend, constrained ones refused).
+        self.grammar_queue = GrammarQueue(grammars) if grammars is not None else None
+        self.errors: list[ReqError] = []  # refusals found after add_request, drained by the loop
 
     # ---- input ---------------------------------------------------------------------------------
 
@@ -79,16 +93,26 @@ class Scheduler:
         if isinstance(req, ReqError):
             return req
         self.stats.prompt_tokens += len(req.origin_input_ids)
+        grammar = req.sampling_params.grammar
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = FinishReason("length")
             self.outbox.append(next_output(req))
-        else:
+        elif grammar is None:
             self.waiting.append(req)
+        elif self.grammar_queue is None:
+            return ReqError(req.rid, "invalid_request", f"{grammar[0]}: no grammar backend here")
+        else:
+            self.grammar_queue.add(req, *grammar)
         return None
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> None:
         """End a waiting or running request now (abort, or a stop string the detokenizer found);
         unknown rids (already finished) are ignored."""
+        compiling = self.grammar_queue.remove(rid) if self.grammar_queue is not None else None
+        if compiling is not None:
+            compiling.finished_reason = reason or FinishReason("abort")
+            self.outbox.append(next_output(compiling))
+            return
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
@@ -99,7 +123,11 @@ class Scheduler:
                     return
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.in_flight)
+        return bool(self.waiting or self.running or self.in_flight or self.grammars_compiling)
+
+    @property
+    def grammars_compiling(self) -> int:
+        return len(self.grammar_queue) if self.grammar_queue is not None else 0
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -107,6 +135,13 @@ class Scheduler:
         """Plan and launch a step; process the result of the previous one (overlap) or of this
         one. Returns the step launched, else the one processed: None when there was nothing."""
         start = time.perf_counter()
+        if self.grammars_compiling:
+            self._admit_compiled()
+        synced = None
+        if self.in_flight is not None and has_grammar(self.in_flight[0].reqs):
+            # The next step's vocab mask needs this one's tokens: no overlap with it.
+            synced, self.in_flight = self.in_flight, None
+            self.process_batch_result(synced[0], synced[1].result())
         batch = self.get_next_batch_to_run()
         launched = (batch, self.run_batch(batch)) if batch is not None else None
         if self.overlap is not None:
@@ -118,7 +153,15 @@ class Scheduler:
         self.stats.busy_time_since_log += time.perf_counter() - start
         if self.config.check_invariants:
             self.check_invariants(batch)
-        return batch or (done[0] if done else None)
+        processed = done or synced
+        return batch or (processed[0] if processed else None)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the waiting queue; failed ones are refused."""
+        assert self.grammar_queue is not None
+        ready, errors = self.grammar_queue.take_ready()
+        self.waiting.extend(ready)
+        self.errors += errors
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         plan, num_decodes, retracted, prefill_budget = self._plan_running()
@@ -136,6 +179,9 @@ class Scheduler:
         so that the next step (planned while this one runs) can share them: their KV is written
         before any later step reads it."""
         worker_batch = batch.to_model_worker_batch(self.kv, self.sampling_rows)
+        if self.grammar_queue is not None:  # read from the matchers now: no token is in flight
+            vocab = self.grammar_queue.backend.vocab_size
+            worker_batch.sampling.vocab_mask = vocab_mask(batch.reqs, batch.emits, vocab)
         placeholders = (-batch.future_slots).tolist()
         for req, prefix, extend, emits, placeholder in zip(
             batch.reqs, batch.prefix_lens, batch.extend_lens, batch.emits, placeholders
@@ -176,7 +222,10 @@ class Scheduler:
             if req.seen is not None:
                 req.seen = req.seen.with_output(token)
             stats.gen_tokens_since_log += 1
-            req.check_finished(token, context_len)
+            if req.grammar is not None:
+                accept_token(req, token)  # a complete grammar ends it (stop)
+            if req.finished_reason is None:
+                req.check_finished(token, context_len)
             if req.finished_reason is not None:
                 self._remove(req)
                 self.kv.release(req)

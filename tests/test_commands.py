@@ -46,12 +46,7 @@ RUN_BY = {
     "make test": "CI and `make test` itself: it runs this suite",
     "radixserve --help": "test_readme_server_help_line",
     "radixserve-client": "test_readme_client_lines_*",
-    "curl -s localhost:30081": "test_readme_curl_lines_*",
-    "curl -sN localhost:30081": "test_readme_curl_lines_*",
-    # The tool call example needs a model that writes tool calls (a Qwen download), so it is not
-    # run here: tests/test_openai_tools.py takes the same path with the output played by the test.
-    "radixserve --model Qwen/": "not run (above)",
-    "curl -s localhost:30082": "not run (above)",
+    "curl": "test_readme_curl_lines_*",
 }
 
 
@@ -66,8 +61,8 @@ def readme_commands() -> list[str]:
     return commands
 
 
-def readme_line(start: str) -> str:
-    (line,) = [c for c in readme_commands() if c.startswith(start)]
+def readme_line(start: str, containing: str = "") -> str:
+    (line,) = [c for c in readme_commands() if c.startswith(start) and containing in c]
     return line
 
 
@@ -269,8 +264,9 @@ def test_readme_curl_lines_answer_as_the_zmq_client_does(server, client):
         params = {"temperature": 0, "max_new_tokens": 16}
         return client.generate(messages=messages, sampling_params=params).output_ids
 
-    def curl(start: str) -> str:
-        return shell(aimed(readme_line(start), server.port, server.http_port)).stdout
+    def curl(start: str, containing: str = "capital of France") -> str:
+        line = readme_line(start, containing)
+        return shell(aimed(line, server.port, server.http_port)).stdout
 
     greedy = {"temperature": 0, "max_new_tokens": 8}
     completion = json.loads(curl("curl -s localhost:30080/v1/completions"))
@@ -292,9 +288,30 @@ def test_readme_curl_lines_answer_as_the_zmq_client_does(server, client):
     generated = json.loads(curl("curl -s localhost:30080/generate"))
     assert generated["text"] == want and generated["meta_info"]["completion_tokens"] == 8
 
-    metrics = curl("curl -s localhost:30080/metrics")
+    metrics = curl("curl -s localhost:30080/metrics", "")
     (requests,) = [r for r in metrics.splitlines() if r.startswith("radixserve:num_requests_total")]
     assert float(requests.split()[1]) >= 4
+
+
+def test_readme_curl_lines_of_structured_outputs_and_a_tool_call(server):
+    def curl(start: str, containing: str) -> str:
+        line = readme_line(start, containing)
+        return shell(aimed(line, server.port, server.http_port)).stdout
+
+    person = json.loads(curl("curl -s localhost:30080/v1/chat/completions", "response_format"))
+    fields = json.loads(person["choices"][0]["message"]["content"])
+    assert isinstance(fields["name"], str) and len(fields["name"]) <= 20
+    assert isinstance(fields["age"], int) and 0 <= fields["age"] <= 120
+
+    cats = json.loads(curl("curl -s localhost:30080/generate", '"regex"'))
+    assert re.fullmatch(r"(yes|no), [0-9]{1,2} cats", cats["text"]), cats["text"]
+
+    called = json.loads(curl("curl -s localhost:30080/v1/chat/completions", "tool_choice"))
+    choice = called["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}
 
 
 def test_readme_python_snippet_runs(server):

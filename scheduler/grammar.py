@@ -1,0 +1,182 @@
+"""Constrained decoding on the scheduler's side (xgrammar), as SGLang places it.
+
+A request with a grammar (json_schema, regex or ebnf) first waits in the GrammarQueue while its
+grammar compiles on GrammarBackend's threads (xgrammar releases the GIL while it compiles), so
+nobody else waits for it; each distinct spec compiles once (a bounded LRU cache keyed by its
+text, in-flight compiles shared). When its grammar is ready the request gets its own matcher
+(`Req.grammar`) and joins the waiting queue. Each step, `vocab_mask` fills one packed bitmask
+for the batch's constrained rows from their matchers; the sampler applies it; the scheduler
+advances a matcher with each accepted token, and the request ends when its grammar is complete.
+
+A retracted request keeps its outputs (they are recomputed, not resampled), so its matcher, which
+has accepted exactly those, stays as it is: nothing to roll back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from operator import attrgetter
+
+import torch
+import xgrammar as xgr
+
+from radixserve.protocol.internal import ReqError
+from radixserve.protocol.wire import FinishReason
+from radixserve.scheduler.req import Req
+
+logger = logging.getLogger("radixserve.scheduler")
+
+COMPILE_THREADS = 2
+CACHE_SIZE = 256  # distinct compiled grammars kept
+COMPILE_TIMEOUT_S = 30.0  # past this a request's grammar is an error (client input: bounded)
+
+_GRAMMAR = attrgetter("grammar")
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer, off the scheduler's thread. `compile` is called from
+    the scheduler's thread only; the pool's threads only run `_compile`."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, cache_size: int = CACHE_SIZE):
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size  # the logits' width, which the masks cover
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+
+    def compile(self, field: str, spec: str) -> Future[xgr.CompiledGrammar]:
+        """The compiled grammar of `spec` (given as `field`), now or later."""
+        key = (field, spec)
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            return future
+        future = self._pool.submit(self._compile, field, spec)
+        self._cache[key] = future
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, field: str, spec: str) -> xgr.CompiledGrammar:
+        compiler = self._get_compiler()
+        if field == "json_schema":
+            # No free whitespace: a small model at temperature 1 could otherwise pad forever.
+            return compiler.compile_json_schema(spec, any_whitespace=False)
+        if field == "regex":
+            return compiler.compile_regex(spec)
+        return compiler.compile_grammar(spec)
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        """Built by the first compile (its tokenizer takes ~0.5 s), on a pool thread."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+                # Our own cache above: xgrammar's would keep a second copy. One thread per
+                # compile: the forward's threads already take every core.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+
+@dataclass(slots=True)
+class _Compiling:
+    req: Req
+    field: str
+    future: Future[xgr.CompiledGrammar]
+    deadline: float
+
+
+class GrammarQueue:
+    """Requests whose grammar is compiling. Owned by the scheduler's thread."""
+
+    def __init__(self, backend: GrammarBackend, timeout_s: float = COMPILE_TIMEOUT_S):
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._compiling: list[_Compiling] = []
+
+    def __len__(self) -> int:
+        return len(self._compiling)
+
+    def add(self, req: Req, field: str, spec: str) -> None:
+        future = self.backend.compile(field, spec)
+        self._compiling.append(_Compiling(req, field, future, time.monotonic() + self.timeout_s))
+
+    def remove(self, rid: str) -> Req | None:
+        for entry in self._compiling:
+            if entry.req.rid == rid:
+                self._compiling.remove(entry)
+                return entry.req
+        return None
+
+    def take_ready(self) -> tuple[list[Req], list[ReqError]]:
+        """The requests whose grammar is ready, each with its own matcher, in arrival order, and
+        the errors of those whose grammar failed to compile or took too long."""
+        ready: list[Req] = []
+        errors: list[ReqError] = []
+        now = time.monotonic()
+        still: list[_Compiling] = []
+        for entry in self._compiling:
+            rid, field = entry.req.rid, entry.field
+            if entry.future.done():
+                error = entry.future.exception()
+                if error is None:
+                    entry.req.grammar = xgr.GrammarMatcher(entry.future.result())
+                    ready.append(entry.req)
+                else:
+                    errors.append(ReqError(rid, "invalid_request", f"{field}: {_reason(error)}"))
+            elif now > entry.deadline:
+                message = f"{field} did not compile within {self.timeout_s:g} s"
+                errors.append(ReqError(rid, "invalid_request", message))
+            else:
+                still.append(entry)
+        self._compiling = still
+        return ready, errors
+
+
+def _reason(error: BaseException) -> str:
+    """xgrammar's message without its C++ location prefix ("[time] path.cc:83: ...")."""
+    text = str(error).strip()
+    _, sep, rest = text.partition(".cc:")
+    if sep:
+        text = rest.partition(": ")[2] or text
+    return text
+
+
+def has_grammar(reqs: list[Req]) -> bool:
+    grammars = list(map(_GRAMMAR, reqs))  # C-level: no Python frame per request
+    return grammars.count(None) != len(grammars)
+
+
+def vocab_mask(reqs: list[Req], emits: list[bool], vocab_size: int) -> torch.Tensor | None:
+    """The packed bitmask of the step's batch: each constrained row that samples a real token
+    allows what its matcher allows next; every other row allows all. None: no such row. The
+    matchers must have accepted every earlier token of their requests (no token in flight)."""
+    if not has_grammar(reqs):
+        return None
+    mask = xgr.allocate_token_bitmask(len(reqs), vocab_size)
+    for i, (req, emit) in enumerate(zip(reqs, emits)):
+        if emit and req.grammar is not None:
+            assert not req.future_ids, "a constrained request's last token is still in flight"
+            req.grammar.fill_next_token_bitmask(mask, i)
+    return mask
+
+
+def accept_token(req: Req, token: int) -> None:
+    """Advance the request's matcher by its new output token; a grammar that is complete, or a
+    token it refuses (which the mask should make impossible), ends the request."""
+    assert req.grammar is not None
+    if not req.grammar.accept_token(token):
+        logger.warning("request %s: token %d breaks its grammar; ending it", req.rid, token)
+        req.grammar = None
+        req.finished_reason = FinishReason("abort")
+    elif req.grammar.is_terminated():
+        req.finished_reason = FinishReason("stop", token)

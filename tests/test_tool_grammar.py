@@ -1,0 +1,91 @@
+"""tool_choice -> a JSON schema (http_server/tool_grammar.py): what the schema allows, checked by
+xgrammar's own matcher on real tokens, and the constrained output read back as calls."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from radixserve.http_server.openai_protocol import ChatCompletionRequest, grammar_params
+from radixserve.http_server.tool_grammar import constrained_tool_calls, tool_call_schema
+from radixserve.model_worker.model_source import default_model_dir
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+FUNCTIONS = {"get_weather": WEATHER, "ping": None}
+
+
+@pytest.fixture(scope="module")
+def compiler() -> tuple[xgr.GrammarCompiler, object]:
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152)
+    return xgr.GrammarCompiler(info, cache_enabled=False), tokenizer
+
+
+def accepts(compiler, schema: str, value: object) -> bool:
+    """Whether the grammar of `schema` takes `value` as json.dumps writes it (", " and ": ": the
+    separators of xgrammar's JSON without free whitespace) and then ends."""
+    compiler, tokenizer = compiler
+    text = json.dumps(value)
+    matcher = xgr.GrammarMatcher(compiler.compile_json_schema(schema, any_whitespace=False))
+    ok = all(matcher.accept_token(t) for t in tokenizer.encode(text))
+    return ok and matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+
+
+def test_a_named_function_allows_its_arguments_only(compiler) -> None:
+    schema = tool_call_schema(FUNCTIONS, "get_weather")
+    assert accepts(compiler, schema, {"city": "Oslo", "unit": "c"})
+    assert not accepts(compiler, schema, {"city": "Oslo", "unit": "k"})
+    assert not accepts(compiler, schema, {"city": "Oslo"})
+    calls = constrained_tool_calls('{"city":"Oslo","unit":"c"}', "get_weather")
+    assert [(n, json.loads(a)) for n, a in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"})
+    ]
+    # A function without parameters takes any object.
+    assert accepts(compiler, tool_call_schema(FUNCTIONS, "ping"), {"x": 1})
+
+
+def test_required_allows_a_non_empty_list_of_the_tools_calls(compiler) -> None:
+    schema = tool_call_schema(FUNCTIONS, None)
+    two = '[{"name":"get_weather","parameters":{"city":"Rome","unit":"f"}},' + (
+        '{"name":"ping","parameters":{}}]'
+    )
+    assert accepts(compiler, schema, json.loads(two))
+    assert not accepts(compiler, schema, json.loads("[]"))
+    assert not accepts(compiler, schema, json.loads('[{"name":"other","parameters":{}}]'))
+    assert not accepts(
+        compiler, schema, json.loads('[{"name":"get_weather","parameters":{"city":"R"}}]')
+    )
+    names = [name for name, _ in constrained_tool_calls(two, None)]
+    assert names == ["get_weather", "ping"]
+    with pytest.raises(ValueError, match="incomplete"):
+        constrained_tool_calls('[{"name":"pi', None)
+
+
+def test_the_chat_request_maps_tool_choice_to_one_json_schema() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+
+    def decode(**fields) -> ChatCompletionRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+        return msgspec.json.decode(msgspec.json.encode(body), type=ChatCompletionRequest)
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert grammar_params(decode(tools=tools, tool_choice=named)) == {
+        "json_schema": json.dumps(WEATHER)
+    }
+    assert "json_schema" in grammar_params(decode(tools=tools, tool_choice="required"))
+    assert grammar_params(decode(tools=tools, tool_choice="auto")) == {}
+    with pytest.raises(ValueError, match="only one of response_format, tool_choice"):
+        grammar_params(
+            decode(tools=tools, tool_choice="required", response_format={"type": "json_object"})
+        )
+    with pytest.raises(ValueError, match="need tools"):
+        grammar_params(decode(tool_choice="required"))
