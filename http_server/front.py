@@ -22,7 +22,7 @@ from radixserve.tokenizer_manager.manager import TokenizerManager
 from radixserve.tokenizer_manager.request_decoder import ClientError
 
 # The wire's error codes as HTTP statuses (OpenAI's: 400 bad request, 401 bad key, 404 not found,
-# 503 overloaded).
+# 503 overloaded or not ready yet).
 STATUS = {
     "invalid_request": 400,
     "too_long": 400,
@@ -30,8 +30,10 @@ STATUS = {
     "not_found": 404,
     "too_large": 413,
     "overloaded": 503,
+    "not_ready": 503,
     "internal": 500,
 }
+RETRY_AFTER_S = 1  # told to a client refused with 503, as vLLM tells it
 # OpenAI's error `type` for each status.
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
 
@@ -57,7 +59,10 @@ def error_body(error: HttpError) -> dict[str, Any]:
 
 
 def error_response(error: HttpError) -> Response:
-    return json_response(error_body(error), STATUS[error.code])
+    response = json_response(error_body(error), STATUS[error.code])
+    if response.status_code == 503:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -84,6 +89,12 @@ class Front:
         except ClientError as e:
             raise HttpError(e.code, "missing or wrong API key (Authorization: Bearer)") from None
 
+    def check_ready(self) -> None:
+        try:
+            self.manager.check_ready()
+        except ClientError as e:
+            raise HttpError(e.code, e.message) from None
+
     async def body(self, request: Request) -> bytes:
         """The body, refused past --max-request-bytes before it is held whole."""
         declared = request.headers.get("content-length", "0")
@@ -98,12 +109,17 @@ class Front:
         return b"".join(chunks)
 
     async def query(self, query_type: type) -> msgspec.Struct:
-        """A control query (health, model_info, server_info, flush_cache) and its answer."""
+        """A control query (health, model_info, server_info, flush_cache) and its answer;
+        HttpError (503) before the model is ready, or when the scheduler does not answer in
+        time."""
+        self.check_ready()
         client = self.manager.open_local_client()
         try:
             await self.manager.forward_query([client.peer], query_type)
             reply = await client.get()
             assert reply is not None
+            if isinstance(reply, ErrorReply):
+                raise HttpError.of(reply)
             return reply
         finally:
             await self.manager.close_local_client(client)

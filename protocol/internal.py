@@ -147,8 +147,21 @@ class ModelInfoOut(_Msg, tag="model_info_out"):
     info: ModelInfoReply
 
 
+class SchedulerReady(_Msg, tag="ready"):
+    """A replica's model is loaded and its scheduler serves: the tokenizer manager takes
+    generates once every replica has said so."""
+
+    dp_rank: int
+
+
 TokenizerManagerInput = (
-    BatchStrOut | ReqError | ServerInfoOut | FlushCacheOut | HealthOut | ModelInfoOut
+    BatchStrOut
+    | ReqError
+    | ServerInfoOut
+    | FlushCacheOut
+    | HealthOut
+    | ModelInfoOut
+    | SchedulerReady
 )
 
 

@@ -192,7 +192,7 @@ class OutputReply(_Reply, tag="output"):
 
 
 class ErrorReply(_Reply, tag="error"):
-    code: str  # invalid_request | unauthorized | too_long | not_found | overloaded | internal
+    code: str  # invalid_request|unauthorized|too_long|not_found|not_ready|overloaded|internal
     message: str
     rid: str | None = None
 

@@ -34,6 +34,7 @@ from radixserve.protocol.internal import (
     ProcessReady,
     ReqError,
     SchedulerInput,
+    SchedulerReady,
     ServerInfoOut,
     ServerInfoReq,
     StopReq,
@@ -227,6 +228,11 @@ class SchedulerProcess:
             self.send_to_detokenizer.send(self.codec.encode(BatchTokenOut(outbox)))
             self.scheduler.outbox = []
 
+    def announce_ready(self) -> None:
+        """Tell the tokenizer manager this replica serves: until every replica has, it refuses
+        generates and control queries with `not_ready` rather than hold them."""
+        self._reply(SchedulerReady(self.dp_rank))
+
     def _reply(self, msg: msgspec.Struct) -> None:
         self.send_to_tokenizer.send(self.codec.encode(msg))
 
@@ -247,6 +253,7 @@ def run_scheduler_process(
     keep_freed_memory()
     proc = SchedulerProcess(args, model_path, ipc_dir, heartbeat, placement)
     ready_writer.send_bytes(msgspec.msgpack.encode(ProcessReady(placement.process_name)))
+    proc.announce_ready()
     proc.event_loop()
 
 
