@@ -47,6 +47,11 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
+    # Before the scheduler (tokenizer_manager/intake.py): past these, `overloaded` at once.
+    max_pending_requests: int = 256
+    max_pending_bytes: int = 256 * 1024 * 1024
+    max_pending_requests_per_client: int = 64
+    max_pending_bytes_per_client: int = 64 * 1024 * 1024
     max_reply_backlog_bytes: int = 64 * 1024 * 1024  # unread replies held for one slow client
     max_total_reply_backlog_bytes: int = 256 * 1024 * 1024  # the same, all clients together
     api_key: str | None = None
@@ -141,6 +146,14 @@ _HELP = {
     "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
     "max_queued_requests": "requests that may wait for admission; past it, new ones get an "
     "`overloaded` error",
+    "max_pending_requests": "generates received but not yet handed to the scheduler (being "
+    "tokenized, or HTTP bodies being read), all clients together; past it, new ones get an "
+    "`overloaded` error (503 with Retry-After over HTTP) at once",
+    "max_pending_bytes": "the same in bytes (a prompt's size): the memory requests may hold "
+    "before the scheduler",
+    "max_pending_requests_per_client": "--max-pending-requests for one client (a ZMQ "
+    "connection, or an HTTP client's address)",
+    "max_pending_bytes_per_client": "--max-pending-bytes for one client",
     "max_reply_backlog_bytes": "replies held for a client that reads slower than it asks; past "
     "it, that client's requests are aborted with an `overloaded` error",
     "max_total_reply_backlog_bytes": "replies held for all slow clients together; past it, the "

@@ -97,16 +97,26 @@ class Front:
 
     async def body(self, request: Request) -> bytes:
         """The body, refused past --max-request-bytes before it is held whole."""
-        declared = request.headers.get("content-length", "0")
-        if not declared.isdigit() or int(declared) > self.max_body_bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        # Its bytes count against the intake's caps while it is read (a body without a length
+        # may take up to the limit).
+        expected = int(declared) if declared is not None else self.max_body_bytes
+        try:
+            ticket = self.manager.intake.take(_client_address(request), expected)
+        except ClientError as e:
+            raise HttpError(e.code, e.message) from None
+        try:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            ticket.release()
 
     async def query(self, query_type: type) -> msgspec.Struct:
         """A control query (health, model_info, server_info, flush_cache) and its answer;
@@ -129,7 +139,7 @@ class Front:
     ) -> AsyncIterator[OutputReply]:
         """The replies to `generates` (one HTTP request's), until each completion's final. Ends
         early when the HTTP client disconnects (its requests aborted); HttpError for an error."""
-        client = self.manager.open_local_client()
+        client = self.manager.open_local_client(_client_address(request))
         watch = asyncio.create_task(self._abort_on_disconnect(request, client))
         try:
             for generate in generates:
@@ -154,3 +164,8 @@ class Front:
         while (await request.receive())["type"] != "http.disconnect":
             pass
         await self.manager.close_local_client(client)
+
+
+def _client_address(request: Request) -> str:
+    """The HTTP client, as the intake's per-client caps count it: its address."""
+    return request.client.host if request.client is not None else ""

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import msgspec
@@ -49,6 +50,7 @@ from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager import request_log
 from radixserve.tokenizer_manager.admission import Admission
 from radixserve.tokenizer_manager.inflight import Envelope, InFlight
+from radixserve.tokenizer_manager.intake import Intake
 from radixserve.tokenizer_manager.local_client import LocalClient
 from radixserve.tokenizer_manager.metrics import Metrics
 from radixserve.tokenizer_manager.replies import Replies
@@ -66,6 +68,7 @@ logger = logging.getLogger("radixserve.tokenizer_manager")
 # How long a control query (health, server_info, ...) waits for the scheduler before its client
 # gets `overloaded`: a scheduler in a long step answers late, and a health check must not hang.
 QUERY_TIMEOUT_S = 5.0
+ROUTER_RCVHWM = 8
 
 
 class TokenizerManager:
@@ -82,6 +85,10 @@ class TokenizerManager:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client fails
         self.router.setsockopt(zmq.MAXMSGSIZE, args.max_request_bytes)  # per frame (WIRE.md)
+        # Frames libzmq holds per client before it stops reading that client's socket (TCP
+        # pushes back): its default, 1,000 of up to --max-request-bytes each, is unbounded in
+        # practice; what is read goes through the intake's caps.
+        self.router.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
         self.router.bind(f"tcp://{args.host}:{args.port}")
         self.link = SchedulerLink(self.ctx, ipc_dir)
         self.recv_from_backend = transport.bind_pull(
@@ -91,7 +98,10 @@ class TokenizerManager:
         self.codec = transport.Codec(TokenizerManagerInput)
         self.inflight = InFlight()
         self.replies = Replies(args, self.router, self.inflight, self.link)
-        self.admission = Admission(self.tokenization, self.inflight, self.link, self.replies)
+        self.intake = Intake(args)
+        self.admission = Admission(
+            self.tokenization, self.inflight, self.link, self.replies, self.intake
+        )
         # Each control query's client, and the timer that answers it if the scheduler does not.
         self.pending_queries: dict[int, tuple[Envelope, asyncio.TimerHandle]] = {}
         self._timeouts: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
@@ -112,6 +122,9 @@ class TokenizerManager:
 
     async def client_loop(self) -> None:
         while True:
+            # A ready socket's recv does not yield: without this, a flood of frames would keep
+            # the loop from everything else (tokenized requests, replies, HTTP health checks).
+            await asyncio.sleep(0)
             frames = await self.router.recv_multipart()
             # A DEALER's request is [id, payload], a REQ's [id, b"", payload]: anything else
             # is not ours, and must not be echoed back at the size it came in.
@@ -242,8 +255,8 @@ class TokenizerManager:
 
     # ---- in-process clients (the HTTP front) ---------------------------------------------------
 
-    def open_local_client(self) -> LocalClient:
-        return self.replies.open_local_client()
+    def open_local_client(self, owner: Hashable = None) -> LocalClient:
+        return self.replies.open_local_client(owner)
 
     async def close_local_client(self, client: LocalClient) -> None:
         await self.replies.close_local_client(client)
