@@ -154,6 +154,16 @@ class SchedulerReady(_Msg, tag="ready"):
     dp_rank: int
 
 
+class ReplicaLoad(_Msg, tag="load"):
+    """A replica's load, for the data-parallel controller's router: the generates it has
+    received so far, and those it holds now (waiting or running). The controller adds the ones
+    it sent that the replica had not received yet."""
+
+    dp_rank: int
+    received: int
+    in_flight: int
+
+
 TokenizerManagerInput = (
     BatchStrOut
     | ReqError
@@ -163,6 +173,10 @@ TokenizerManagerInput = (
     | ModelInfoOut
     | SchedulerReady
 )
+
+
+# What replicas send the data-parallel controller: control answers to gather, and their load.
+DpControllerInput = ServerInfoOut | FlushCacheOut | HealthOut | ModelInfoOut | ReplicaLoad
 
 
 # ---- any child -> launch.py --------------------------------------------------------------------

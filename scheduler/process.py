@@ -32,6 +32,7 @@ from radixserve.protocol.internal import (
     ModelInfoOut,
     ModelInfoReq,
     ProcessReady,
+    ReplicaLoad,
     ReqError,
     SchedulerInput,
     SchedulerReady,
@@ -160,9 +161,12 @@ class SchedulerProcess:
             ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
         )
         self.send_control = self.send_to_tokenizer
-        if args.dp_size > 1:
+        self.reports_load = args.dp_size > 1  # to the controller's router
+        if self.reports_load:
             self.send_control = transport.connect_push(ctx, ipc_dir, transport.DP_CONTROLLER_INPUT)
         self.codec = transport.Codec(SchedulerInput)
+        self.received = 0  # generates, ever
+        self.last_load: tuple[int, int] = (0, 0)  # as last reported
 
     def event_loop(self) -> None:
         scheduler = self.scheduler
@@ -181,6 +185,8 @@ class SchedulerProcess:
                     release_freed_memory()
             if not ran:
                 self.worker.keep_alive()  # the other TP ranks beat on rank 0's broadcasts
+            if self.reports_load:
+                self.report_load()
 
     def recv_requests(self, block: bool) -> list[msgspec.Struct]:
         """Everything queued now; when idle, first sleep until something arrives (or it is time
@@ -199,6 +205,7 @@ class SchedulerProcess:
         scheduler = self.scheduler
         match msg:
             case TokenizedGenerateReq():
+                self.received += 1
                 if len(scheduler.waiting) >= self.max_queued_requests:
                     message = f"{len(scheduler.waiting)} requests wait (--max-queued-requests)"
                     self._reply(ReqError(msg.rid, "overloaded", message))
@@ -221,6 +228,13 @@ class SchedulerProcess:
                 self._answer(HealthOut(qid))
             case ModelInfoReq(query_id=qid):
                 self._answer(ModelInfoOut(qid, self.model_info))
+
+    def report_load(self) -> None:
+        """This replica's load to the controller, when it changed: at most once a step."""
+        load = (self.received, len(self.scheduler.waiting) + len(self.scheduler.running))
+        if load != self.last_load:
+            self.last_load = load
+            self._answer(ReplicaLoad(self.dp_rank, *load))
 
     def stream_output(self) -> None:
         outbox = self.scheduler.outbox

@@ -79,6 +79,7 @@ class Scheduler:
         if isinstance(req, ReqError):
             return req
         self.stats.prompt_tokens += len(req.origin_input_ids)
+        self.stats.num_requests += 1
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = FinishReason("length")
             self.outbox.append(next_output(req))

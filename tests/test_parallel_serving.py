@@ -20,6 +20,7 @@ import torch
 from live_server import child_pids, wait_gone
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from radixserve.benchmarks.bench_dp_routing import shared_prompt_run
 from radixserve.client import AsyncClient, Client, ServerError
 from radixserve.client.local_server import (
     LaunchedServer,
@@ -139,13 +140,24 @@ def prefix_hit_rate(server: LaunchedServer) -> float:
 def test_dp2_gives_the_greedy_tokens_of_tp1_and_cache_aware_routing_hits_more(
     tiny_served_model, greedy_reference
 ):
+    """And issue 22's acceptance 2: with 64 requests at once sharing a system prompt, cache-aware
+    routing keeps both replicas busy (35-65% of the requests each), at a prefix-cache hit rate
+    within 10 points of one replica's (benchmarks/bench_dp_routing.py prints the figures)."""
     rates = {}
+    shared = {}
     for method in ("round_robin", "cache_aware"):
         for server in serve(tiny_served_model, "--dp-size", "2", "--load-balance-method", method):
             assert greedy_tokens(server) == greedy_reference
             rates[method] = prefix_hit_rate(server)
+            if method == "cache_aware":
+                shared[method] = shared_prompt_run(server, 64)
+    for server in serve(tiny_served_model):
+        shared["one replica"] = shared_prompt_run(server, 64)
     print(f"\nprefix-cache hit rate over --dp-size 2: {rates}")
+    print("\n".join(figures.row(name) for name, figures in shared.items()))
     assert rates["cache_aware"] > rates["round_robin"]
+    assert all(0.35 <= share <= 0.65 for share in shared["cache_aware"].shares)
+    assert shared["cache_aware"].hit_rate >= shared["one replica"].hit_rate - 0.10
 
 
 def test_two_nodes_on_loopback_give_the_greedy_tokens_of_tp1(
