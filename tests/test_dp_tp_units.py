@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+import pytest
 import torch
 from test_sampler import make_info
 from test_tensor_parallel import make_batch
@@ -41,6 +42,25 @@ def test_a_broadcast_batch_decodes_to_the_batch_sent() -> None:
     # Each sequence's slots travel, not the padding: more of it changes no byte.
     wider = replace(batch, kv_slots=torch.nn.functional.pad(batch.kv_slots, (0, 100)))
     assert encode_batch(wider) == data
+
+
+def test_a_broadcast_batch_whose_lengths_disagree_is_refused() -> None:
+    """A TP follower decodes rank 0's bytes: a batch whose lengths disagree would have the
+    kernels read out of bounds, so it is a clean error instead."""
+    batch = make_batch([(0, 7), (40, 1), (3, 2)], torch.randperm(200) + 1)
+    batch.sampling = make_info(3, temperatures=[0.0, 0.7, 1.0])
+    tampered = {
+        "the extend lengths sum to the tokens": {"extend_lens": torch.tensor([7, 1, 1])},
+        "lengths >= 0": {"prefix_lens": torch.tensor([0, -40, 3])},
+        "one entry per token": {"positions": torch.arange(9)},
+    }
+    short = replace(batch.sampling, temperatures=torch.tensor([0.0, 0.7]))
+    cases = [(rule, replace(batch, **changes)) for rule, changes in tampered.items()]
+    cases.append(("one per sequence", replace(batch, sampling=short)))
+    for rule, wrong in cases:
+        data = encode_batch(wrong)
+        with pytest.raises(ValueError, match=rule):
+            decode_batch(data)
 
 
 def test_round_robin_takes_turns() -> None:
