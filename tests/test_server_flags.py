@@ -7,12 +7,15 @@ extension cannot build, where `auto` falls back to torch_native with a warning a
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from live_server import child_pids
 
 from radixserve.client import Client, ServerError
 from radixserve.client.local_server import LaunchedServer, launched_server
@@ -107,3 +110,23 @@ def test_auto_falls_back_to_torch_native_when_the_kernels_cannot_build(
     assert len(out.output_ids) == 3
     assert "CPU kernels unavailable, falling back to torch ops" in log
     assert "attention backend torch_native" in log
+
+
+def test_control_queries_answer_503_in_bounded_time_while_the_scheduler_is_stuck(server):
+    """A scheduler that does not answer (here stopped, as in a long CPU prefill): /health,
+    /metrics and the ZMQ health check get `overloaded` after the manager's timeout instead of
+    waiting; once it runs again they answer."""
+    pid = child_pids(server)["scheduler"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for path in ("/health", "/metrics"):
+            reply = httpx.get(f"{server.http_url}{path}", headers=headers, timeout=60)
+            assert reply.status_code == 503 and reply.headers["retry-after"] == "1"
+            assert reply.json()["error"]["code"] == "overloaded"
+        with Client(server.address, timeout=60) as c, pytest.raises(ServerError) as e:
+            c.health()
+        assert e.value.code == "overloaded"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert httpx.get(f"{server.http_url}/health", timeout=60).status_code == 200
