@@ -52,9 +52,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     max_request_bytes: int = 64 * 1024 * 1024
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
     # Before the scheduler (tokenizer_manager/intake.py): past these, `overloaded` at once.
-    max_pending_requests: int = 256
+    max_pending_requests: int = 1024
     max_pending_bytes: int = 256 * 1024 * 1024
-    max_pending_requests_per_client: int = 64
+    max_pending_requests_per_client: int = 256
     max_pending_bytes_per_client: int = 64 * 1024 * 1024
     max_reply_backlog_bytes: int = 64 * 1024 * 1024  # unread replies held for one slow client
     max_total_reply_backlog_bytes: int = 256 * 1024 * 1024  # the same, all clients together
