@@ -100,23 +100,26 @@ class Front:
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
-        # Its bytes count against the intake's caps while it is read (a body without a length
-        # may take up to the limit).
-        expected = int(declared) if declared is not None else self.max_body_bytes
+        # Its bytes count against the intake's caps while it is read: the declared length at
+        # once, or each chunk as it comes.
         try:
-            ticket = self.manager.intake.take(_client_address(request), expected)
+            ticket = self.manager.intake.take(_client_address(request), int(declared or 0))
+            chunks, size = [], 0
+            try:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise HttpError(
+                            "too_large", f"request body over {self.max_body_bytes} bytes"
+                        )
+                    if declared is None:
+                        ticket.grow(len(chunk))
+                    chunks.append(chunk)
+                return b"".join(chunks)
+            finally:
+                ticket.release()
         except ClientError as e:
             raise HttpError(e.code, e.message) from None
-        try:
-            chunks, size = [], 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > self.max_body_bytes:
-                    raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            ticket.release()
 
     async def query(self, query_type: type) -> msgspec.Struct:
         """A control query (health, model_info, server_info, flush_cache) and its answer;

@@ -83,6 +83,10 @@ def test_the_intake_caps_each_client_and_all_of_them_in_requests_and_bytes():
     with pytest.raises(ClientError, match="all clients'"):
         intake.take("c", 201)  # 800 bytes wait: 201 more pass the total
     c1 = intake.take("c", 100)
+    with pytest.raises(ClientError, match="all clients'"):
+        c1.grow(101)  # a body that arrives in chunks counts as it comes
+    c1.grow(100)
+    assert intake.by_client["c"].nbytes == 200 and intake.total.nbytes == 1000
     for ticket in (a2, b1, c1):
         ticket.release()
     assert intake.total.requests == intake.total.nbytes == 0 and not intake.by_client

@@ -86,6 +86,9 @@ def test_401_and_413_over_a_real_socket(server):
     big = {**body, "text": "x" * MAX_BODY}
     refused = httpx.post(f"{url}/generate", json=big, headers=good)
     assert refused.status_code == 413 and refused.json()["error"]["code"] == "too_large"
+    for text, status in (("Hi", 200), ("x" * MAX_BODY, 413)):  # no Content-Length: chunked
+        chunked = iter([json.dumps({**body, "text": text}).encode()])
+        assert httpx.post(f"{url}/generate", content=chunked, headers=good).status_code == status
     with Client(server.address, timeout=60) as c, pytest.raises(ServerError) as e:
         c.generate("Hi", sampling_params={"max_new_tokens": 2})
     assert e.value.code == "unauthorized"

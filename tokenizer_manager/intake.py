@@ -31,6 +31,9 @@ class _Count:
             return True
         return self.requests < max_requests and self.nbytes + nbytes <= max_bytes
 
+    def can_grow(self, nbytes: int, max_bytes: int) -> bool:
+        return self.requests == 1 or self.nbytes + nbytes <= max_bytes
+
     def add(self, nbytes: int, sign: int) -> None:
         self.requests += sign
         self.nbytes += sign * nbytes
@@ -43,6 +46,12 @@ class Ticket:
         self._intake: Intake | None = intake
         self.client = client
         self.nbytes = nbytes
+
+    def grow(self, nbytes: int) -> None:
+        """`nbytes` more for this request (an HTTP body of no declared length, as it arrives);
+        ClientError `overloaded` past a bytes cap."""
+        assert self._intake is not None, "grow after release"
+        self._intake.grow(self, nbytes)
 
     def release(self) -> None:
         if self._intake is not None:
@@ -70,6 +79,16 @@ class Intake:
         self.by_client[client] = mine
         self.total.add(nbytes, +1)
         return Ticket(self, client, nbytes)
+
+    def grow(self, ticket: Ticket, nbytes: int) -> None:
+        mine = self.by_client[ticket.client]
+        if not mine.can_grow(nbytes, self.max_bytes_per_client):
+            raise ClientError("overloaded", _refusal("this client's", mine, "-per-client"))
+        if not self.total.can_grow(nbytes, self.max_bytes):
+            raise ClientError("overloaded", _refusal("all clients'", self.total, ""))
+        ticket.nbytes += nbytes
+        mine.nbytes += nbytes
+        self.total.nbytes += nbytes
 
     def give_back(self, ticket: Ticket) -> None:
         mine = self.by_client[ticket.client]
