@@ -45,6 +45,10 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each
     dp_size: int = 1  # data-parallel replicas, each of --tp-size ranks
     load_balance_method: str = "round_robin"  # round_robin | cache_aware
+    # cache_aware's, with the defaults of SGLang's router (sglang_router)
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.0001
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of TP rank 0; default: a free local port
@@ -53,6 +57,11 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     log_interval: int = 40  # decode steps between two log lines
     max_request_bytes: int = 64 * 1024 * 1024
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
+    # Before the scheduler (tokenizer_manager/intake.py): past these, `overloaded` at once.
+    max_pending_requests: int = 1024
+    max_pending_bytes: int = 256 * 1024 * 1024
+    max_pending_requests_per_client: int = 256
+    max_pending_bytes_per_client: int = 64 * 1024 * 1024
     max_reply_backlog_bytes: int = 64 * 1024 * 1024  # unread replies held for one slow client
     max_total_reply_backlog_bytes: int = 256 * 1024 * 1024  # the same, all clients together
     api_key: str | None = None
@@ -128,7 +137,15 @@ _HELP = {
     "dp_size": "data-parallel size: this many independent replicas of the model (each of "
     "--tp-size ranks), behind one tokenizer manager and a controller that routes requests",
     "load_balance_method": "how the data-parallel controller picks a replica: round_robin, or "
-    "cache_aware (the replica that already holds the longest prefix of the prompt)",
+    "cache_aware (SGLang's router: the replica that already holds the longest prefix of the "
+    "prompt while the replicas are balanced, else the least loaded)",
+    "cache_threshold": "cache_aware: the share of a prompt a replica must hold (as far as the "
+    "router has seen) for its prefix to decide where the prompt goes; below it, the replica "
+    "holding the fewest prompts' pages (SGLang router's flag)",
+    "balance_abs_threshold": "cache_aware: route to the least-loaded replica (requests in flight) "
+    "once the busiest has more than this many over the idlest, and "
+    "--balance-rel-threshold times as many (SGLang router's flag)",
+    "balance_rel_threshold": "cache_aware: see --balance-abs-threshold (SGLang router's flag)",
     "nnodes": "machines the TP ranks are spread over (--tp-size must be a multiple)",
     "node_rank": "this machine's rank among --nnodes; node 0 serves the clients",
     "dist_init_addr": "host:port where the TP ranks meet (node 0's address; replica i uses port + "
@@ -151,6 +168,14 @@ _HELP = {
     "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
     "max_queued_requests": "requests that may wait for admission; past it, new ones get an "
     "`overloaded` error",
+    "max_pending_requests": "generates received but not yet handed to the scheduler (being "
+    "tokenized, or HTTP bodies being read), all clients together; past it, new ones get an "
+    "`overloaded` error (503 with Retry-After over HTTP) at once",
+    "max_pending_bytes": "the same in bytes (a prompt's size): the memory requests may hold "
+    "before the scheduler",
+    "max_pending_requests_per_client": "--max-pending-requests for one client (a ZMQ "
+    "connection, or an HTTP client's address)",
+    "max_pending_bytes_per_client": "--max-pending-bytes for one client",
     "max_reply_backlog_bytes": "replies held for a client that reads slower than it asks; past "
     "it, that client's requests are aborted with an `overloaded` error",
     "max_total_reply_backlog_bytes": "replies held for all slow clients together; past it, the "

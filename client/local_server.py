@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from radixserve.client.messages import ServerError
 from radixserve.client.sync_client import Client
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -74,9 +75,11 @@ def launched_server(
     start_timeout: float = 300,
     command: Sequence[str] = (sys.executable, "-m", "radixserve.launch"),
     cwd: Path | None = None,
+    wait: bool = True,
 ) -> Iterator[LaunchedServer]:
     """`command` starts the server (an installed `radixserve` entry point, say); `args` follow
-    its `--port` and `--http-port` (free ports: servers started at once never collide)."""
+    its `--port` and `--http-port` (free ports: servers started at once never collide). With
+    `wait` False it comes back at once, before the server is ready: see `wait_healthy`."""
     port, http_port = free_port(), free_port()
     log_path = Path(tempfile.mkstemp(prefix="radixserve-test-", suffix=".log")[1])
     with open(log_path, "wb") as log:
@@ -88,7 +91,8 @@ def launched_server(
         )
     server = LaunchedServer(proc, f"tcp://127.0.0.1:{port}", log_path, http_port)
     try:
-        wait_healthy(server, start_timeout)
+        if wait:
+            wait_healthy(server, start_timeout)
         yield server
     finally:
         if proc.poll() is None:
@@ -114,6 +118,10 @@ def wait_healthy(server: LaunchedServer, timeout: float) -> None:
                 return
             except (TimeoutError, ConnectionError):
                 continue
+            except ServerError as e:  # up, but its model is still loading
+                if e.code != "not_ready":
+                    raise
+                time.sleep(0.2)
     raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()[-4000:]}")
 
 

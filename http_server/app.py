@@ -32,6 +32,7 @@ def build_app(manager: TokenizerManager) -> Starlette:
     routes = [
         Route("/generate", _errors(native.generate), methods=["POST"]),
         Route("/health", _errors(native.health), methods=["GET"]),
+        Route("/health_generate", _errors(native.health_generate), methods=["GET"]),
         Route("/get_model_info", _errors(native.model_info), methods=["GET"]),
         Route("/get_server_info", _errors(native.server_info), methods=["GET"]),
         # It changes state: POST only, which a link or an <img> cannot send.

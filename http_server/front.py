@@ -22,7 +22,7 @@ from radixserve.tokenizer_manager.manager import TokenizerManager
 from radixserve.tokenizer_manager.request_decoder import ClientError
 
 # The wire's error codes as HTTP statuses (OpenAI's: 400 bad request, 401 bad key, 404 not found,
-# 503 overloaded).
+# 503 overloaded or not ready yet).
 STATUS = {
     "invalid_request": 400,
     "too_long": 400,
@@ -32,8 +32,10 @@ STATUS = {
     "too_large": 413,
     "unsupported_media_type": 415,
     "overloaded": 503,
+    "not_ready": 503,
     "internal": 500,
 }
+RETRY_AFTER_S = 1  # told to a client refused with 503, as vLLM tells it
 # OpenAI's error `type` for each status.
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
 
@@ -59,7 +61,10 @@ def error_body(error: HttpError) -> dict[str, Any]:
 
 
 def error_response(error: HttpError) -> Response:
-    return json_response(error_body(error), STATUS[error.code])
+    response = json_response(error_body(error), STATUS[error.code])
+    if response.status_code == 503:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def json_response(body: Any, status: int = 200) -> Response:
@@ -86,6 +91,12 @@ class Front:
         except ClientError as e:
             raise HttpError(e.code, "missing or wrong API key (Authorization: Bearer)") from None
 
+    def check_ready(self) -> None:
+        try:
+            self.manager.check_ready()
+        except ClientError as e:
+            raise HttpError(e.code, e.message) from None
+
     async def body(self, request: Request) -> bytes:
         """The body, refused past --max-request-bytes before it is held whole, and unless it says
         it is JSON: a web page can POST a form or text/plain to 127.0.0.1 without the browser
@@ -95,24 +106,42 @@ class Front:
             raise HttpError(
                 "unsupported_media_type", "the body must be JSON (Content-Type: application/json)"
             )
-        declared = request.headers.get("content-length", "0")
-        if not declared.isdigit() or int(declared) > self.max_body_bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        # Its bytes count against the intake's caps while it is read: the declared length at
+        # once, or each chunk as it comes.
+        try:
+            ticket = self.manager.intake.take(_client_address(request), int(declared or 0))
+            chunks, size = [], 0
+            try:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_body_bytes:
+                        raise HttpError(
+                            "too_large", f"request body over {self.max_body_bytes} bytes"
+                        )
+                    if declared is None:
+                        ticket.grow(len(chunk))
+                    chunks.append(chunk)
+                return b"".join(chunks)
+            finally:
+                ticket.release()
+        except ClientError as e:
+            raise HttpError(e.code, e.message) from None
 
     async def query(self, query_type: type) -> msgspec.Struct:
-        """A control query (health, model_info, server_info, flush_cache) and its answer."""
+        """A control query (health, model_info, server_info, flush_cache) and its answer;
+        HttpError (503) before the model is ready, or when the scheduler does not answer in
+        time."""
+        self.check_ready()
         client = self.manager.open_local_client()
         try:
             await self.manager.forward_query([client.peer], query_type)
             reply = await client.get()
             assert reply is not None
+            if isinstance(reply, ErrorReply):
+                raise HttpError.of(reply)
             return reply
         finally:
             await self.manager.close_local_client(client)
@@ -122,7 +151,7 @@ class Front:
     ) -> AsyncIterator[OutputReply]:
         """The replies to `generates` (one HTTP request's), until each completion's final. Ends
         early when the HTTP client disconnects (its requests aborted); HttpError for an error."""
-        client = self.manager.open_local_client()
+        client = self.manager.open_local_client(_client_address(request))
         watch = asyncio.create_task(self._abort_on_disconnect(request, client))
         try:
             for generate in generates:
@@ -147,3 +176,8 @@ class Front:
         while (await request.receive())["type"] != "http.disconnect":
             pass
         await self.manager.close_local_client(client)
+
+
+def _client_address(request: Request) -> str:
+    """The HTTP client, as the intake's per-client caps count it: its address."""
+    return request.client.host if request.client is not None else ""

@@ -1,8 +1,9 @@
 """SGLang's native endpoints: /generate (the wire's `generate` as JSON), /health,
-/get_model_info, /get_server_info, /flush_cache, and /metrics (Prometheus)."""
+/health_generate, /get_model_info, /get_server_info, /flush_cache, and /metrics (Prometheus)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -18,7 +19,13 @@ from radixserve.http_server.front import (
     sse,
 )
 from radixserve.protocol.internal import FlushCacheReq, HealthReq, ModelInfoReq, ServerInfoReq
-from radixserve.protocol.wire import FlushCacheReply, GenerateRequest, OutputReply, ServerInfoReply
+from radixserve.protocol.wire import (
+    FlushCacheReply,
+    GenerateRequest,
+    OutputReply,
+    SamplingParams,
+    ServerInfoReply,
+)
 from radixserve.tokenizer_manager.sampling_defaults import (
     fill_sampling_defaults,
     sent_sampling_fields_json,
@@ -54,6 +61,23 @@ class NativeApi:
         await self.front.query(HealthReq)
         return Response(status_code=200)
 
+    async def health_generate(self, request: Request) -> Response:
+        """SGLang's deeper health check: one token generated through the whole request path
+        (tokenizer manager, scheduler, model, detokenizer); 503 when it takes past
+        HEALTH_GENERATE_TIMEOUT_S."""
+        probe = GenerateRequest(input_ids=[0], sampling_params=_ONE_TOKEN)
+
+        async def one_token() -> None:
+            async for _ in self.front.outputs(request, [probe]):
+                pass
+
+        try:
+            await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            message = f"no token within {HEALTH_GENERATE_TIMEOUT_S:g}s"
+            raise HttpError("overloaded", message) from None
+        return Response(status_code=200)
+
     async def model_info(self, request: Request) -> Response:
         self.front.authorize(request)
         return json_response(await self.front.query(ModelInfoReq))
@@ -74,6 +98,10 @@ class NativeApi:
         assert isinstance(info, ServerInfoReply)
         body = self.front.manager.metrics.expose(info)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+_ONE_TOKEN = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
 
 
 async def _events(

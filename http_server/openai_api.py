@@ -93,12 +93,16 @@ class OpenAIApi:
         self.reasoning_parser = args.reasoning_parser
 
     async def models(self, request: Request) -> Response:
+        """vLLM's model card; 503 until the model is loaded (vLLM is not listening by then)."""
         self.front.authorize(request)
+        self.front.check_ready()
         model = {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "radixserve",
+            "root": self.model_name,
+            "parent": None,
             "max_model_len": self.context_length,
         }
         return json_response({"object": "list", "data": [model]})

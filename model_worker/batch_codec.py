@@ -47,13 +47,37 @@ def encode_batch(batch: ModelWorkerBatch) -> bytes:
 
 
 def decode_batch(data: bytes) -> ModelWorkerBatch:
+    """The batch rank 0 sent; ValueError if its shapes and lengths disagree (what the kernels
+    would read out of bounds), checked in O(batch)."""
     packed = _from_wire(ModelWorkerBatch, msgspec.msgpack.decode(data, type=list[Any]))
+    _check_lengths(packed)
     seq_lens = packed.seq_lens
     max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     within = torch.arange(max_len)[None, :] < seq_lens[:, None]
     kv_slots = torch.zeros(len(seq_lens), max_len, dtype=torch.int64)
     kv_slots[within] = packed.kv_slots.to(torch.int64)
     return replace(packed, kv_slots=kv_slots)
+
+
+def _check_lengths(packed: ModelWorkerBatch) -> None:
+    tokens, batch = packed.input_ids, packed.extend_lens
+    per_token = (packed.input_ids, packed.positions, packed.out_cache_loc)
+    per_sequence = [packed.prefix_lens, packed.extend_lens]
+    per_sequence += [t for t in _tensors(packed.sampling) if t.dim() == 1]
+    rules = [
+        (all(t.dim() == 1 and len(t) == len(tokens) for t in per_token), "one entry per token"),
+        (all(t.dim() == 1 and len(t) == len(batch) for t in per_sequence), "one per sequence"),
+        (bool((packed.prefix_lens >= 0).all() and (batch >= 0).all()), "lengths >= 0"),
+        (int(batch.sum()) == len(tokens), "the extend lengths sum to the tokens"),
+        (packed.kv_slots.numel() == int(packed.seq_lens.sum()), "a slot per token of each"),
+    ]
+    for ok, rule in rules:
+        if not ok:
+            raise ValueError(f"a broadcast batch breaks its shape rules: {rule}")
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [v for f in fields(obj) if isinstance(v := getattr(obj, f.name), torch.Tensor)]
 
 
 def _to_wire(obj: Any) -> list[Any]:

@@ -47,9 +47,15 @@ class Int8Weight:
             raise ValueError("--quantization int8 runs on the CPU only")
         load_cpu_kernels()  # its ops quantize, multiply and rescale
         weight = weight.detach().float()
-        self.scale = (weight.abs().amax(dim=1) / 127).contiguous()
-        inverse = torch.where(self.scale > 0, 1 / self.scale, 0)  # an all-zero row stays zero
-        self.q = torch.round(weight * inverse[:, None]).to(torch.int8).contiguous()
+        scale = weight.abs().amax(dim=1) / 127
+        # A row whose scale is zero or subnormal (1/scale would be infinite) stays zero: its
+        # weights are below any float32 normal number, nothing an output could show.
+        normal = scale >= torch.finfo(torch.float32).tiny
+        self.scale = torch.where(normal, scale, 0).contiguous()
+        quotient = weight / torch.where(normal, scale, 1)[:, None]
+        # [-127, 127]: the kernels negate weights and activations, which -128 cannot survive.
+        q = torch.round(quotient).clamp_(-127, 127) * normal[:, None]
+        self.q = q.to(torch.int8).contiguous()
         self.shape = tuple(weight.shape)
         self.nbytes = self.q.numel() + 4 * self.scale.numel()
 

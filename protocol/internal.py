@@ -155,9 +155,36 @@ class ModelInfoOut(_Msg, tag="model_info_out"):
     info: ModelInfoReply
 
 
+class SchedulerReady(_Msg, tag="ready"):
+    """A replica's model is loaded and its scheduler serves: the tokenizer manager takes
+    generates once every replica has said so."""
+
+    dp_rank: int
+
+
+class ReplicaLoad(_Msg, tag="load"):
+    """A replica's load, for the data-parallel controller's router: the generates it has
+    received so far, and those it holds now (waiting or running). The controller adds the ones
+    it sent that the replica had not received yet."""
+
+    dp_rank: int
+    received: int
+    in_flight: int
+
+
 TokenizerManagerInput = (
-    BatchStrOut | ReqError | ServerInfoOut | FlushCacheOut | HealthOut | ModelInfoOut
+    BatchStrOut
+    | ReqError
+    | ServerInfoOut
+    | FlushCacheOut
+    | HealthOut
+    | ModelInfoOut
+    | SchedulerReady
 )
+
+
+# What replicas send the data-parallel controller: control answers to gather, and their load.
+DpControllerInput = ServerInfoOut | FlushCacheOut | HealthOut | ModelInfoOut | ReplicaLoad
 
 
 # ---- any child -> launch.py --------------------------------------------------------------------

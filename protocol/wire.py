@@ -253,7 +253,7 @@ class OutputReply(_Reply, tag="output"):
 
 
 class ErrorReply(_Reply, tag="error"):
-    code: str  # invalid_request | unauthorized | too_long | not_found | overloaded | internal
+    code: str  # invalid_request|unauthorized|too_long|not_found|not_ready|overloaded|internal
     message: str
     rid: str | None = None
 
@@ -288,6 +288,7 @@ class ServerInfoReply(_Reply, tag="server_info"):
     dp_rank: int = 0  # the replica these figures are of (with replicas, 0 for the sum)
     # With --dp-size above 1: each replica's own figures, in order; the fields above sum them.
     replicas: list[ServerInfoReply] = []
+    num_requests: int = 0  # generates received (completions: n counts n)
 
 
 class FlushCacheReply(_Reply, tag="flush_cache"):

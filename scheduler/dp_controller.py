@@ -2,10 +2,11 @@
 replicas' schedulers, as SGLang's DataParallelController.
 
 It takes the scheduler input socket the tokenizer manager and detokenizer already push to, and
-forwards: a new request to the replica its router picks; an abort or stop to every replica (each
-ignores rids it does not hold, so the controller keeps no table of who holds what); a control
-query to every replica, whose answers it gathers into one. Outputs and admission errors go from
-the replicas straight to the detokenizer and the tokenizer manager.
+forwards: a new request to the replica its router picks (dp_router.py), from each replica's load;
+an abort or stop to every replica (each ignores rids it does not hold, so the controller keeps no
+table of who holds what); a control query to every replica, whose answers it gathers into one.
+Outputs and admission errors go from the replicas straight to the detokenizer and the tokenizer
+manager.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from radixserve.process_setup import (
 )
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
+    DpControllerInput,
     FlushCacheOut,
     HealthOut,
     ModelInfoOut,
+    ReplicaLoad,
     SchedulerInput,
     ServerInfoOut,
     TokenizedGenerateReq,
-    TokenizerManagerInput,
 )
 from radixserve.protocol.wire import ServerInfoReply
 from radixserve.scheduler.dp_router import make_router
@@ -41,9 +43,27 @@ logger = logging.getLogger("radixserve.dp_controller")
 ControlAnswer = ServerInfoOut | FlushCacheOut | HealthOut | ModelInfoOut
 
 
+class ReplicaLoads:
+    """Each replica's requests in flight: what it last reported holding, plus what was sent to
+    it since that it had not received by then."""
+
+    def __init__(self, num_replicas: int):
+        self.sent = [0] * num_replicas
+        self.received = [0] * num_replicas  # as last reported
+        self.held = [0] * num_replicas  # as last reported
+
+    def report(self, load: ReplicaLoad) -> None:
+        self.received[load.dp_rank] = load.received
+        self.held[load.dp_rank] = load.in_flight
+
+    def now(self) -> list[int]:
+        return [h + s - r for h, s, r in zip(self.held, self.sent, self.received)]
+
+
 class DataParallelController:
     def __init__(self, args: ServerArgs, ipc_dir: str):
-        self.router = make_router(args.load_balance_method, args.dp_size)
+        self.router = make_router(args)
+        self.loads = ReplicaLoads(args.dp_size)
         ctx = zmq.Context()
         self.recv_requests = transport.bind_pull(ctx, ipc_dir, transport.SCHEDULER_INPUT)
         self.recv_answers = transport.bind_pull(ctx, ipc_dir, transport.DP_CONTROLLER_INPUT)
@@ -55,7 +75,7 @@ class DataParallelController:
             ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
         )
         self.request_codec = transport.Codec(SchedulerInput)
-        self.answer_codec = transport.Codec(TokenizerManagerInput)
+        self.answer_codec = transport.Codec(DpControllerInput)
         self.answers: dict[int, list[ControlAnswer]] = {}  # by query id, until all replicas answer
         self.poller = zmq.Poller()
         self.poller.register(self.recv_requests, zmq.POLLIN)
@@ -73,7 +93,9 @@ class DataParallelController:
 
     def route(self, msg: msgspec.Struct, data: bytes) -> None:
         if isinstance(msg, TokenizedGenerateReq):
-            self.replicas[self.router.pick(msg.input_ids)].send(data)
+            picked = self.router.pick(msg.input_ids, self.loads.now())
+            self.loads.sent[picked] += 1
+            self.replicas[picked].send(data)
             return
         query_id = getattr(msg, "query_id", None)
         if query_id is not None:
@@ -82,6 +104,9 @@ class DataParallelController:
             replica.send(data)
 
     def gather(self, answer: msgspec.Struct) -> None:
+        if isinstance(answer, ReplicaLoad):
+            self.loads.report(answer)
+            return
         assert isinstance(answer, ControlAnswer)  # replicas send nothing else here
         answers = self.answers[answer.query_id]
         answers.append(answer)
@@ -126,6 +151,7 @@ def sum_server_info(infos: list[ServerInfoReply]) -> ServerInfoReply:
         max_running_requests=total("max_running_requests"),
         prompt_tokens=prompt_tokens,
         replicas=infos,
+        num_requests=total("num_requests"),
     )
 
 

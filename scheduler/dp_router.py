@@ -1,10 +1,15 @@
 """Which data-parallel replica gets a request: round robin, or cache-aware.
 
-Cache-aware is the SGLang router's idea: send a request where its prompt's prefix is most likely
-cached. The router cannot see the replicas' radix trees, so it keeps its own picture of them:
-each prompt it sent a replica, as the chained hashes of its whole pages of tokens (vLLM's block
-hashes), LRU-bounded. A replica holding at least MIN_MATCH of the prompt gets it; otherwise the
-replica holding the fewest pages does, which spreads new prefixes evenly.
+Cache-aware is the SGLang router's policy: send a request where its prompt's prefix is most
+likely cached, while the replicas are balanced. The router cannot see the replicas' radix trees,
+so it keeps its own picture of them: each prompt it sent a replica, as the chained hashes of its
+whole pages of tokens (vLLM's block hashes), LRU-bounded. Each replica's load is its requests in
+flight (dp_controller.py counts them).
+- Imbalanced (the busiest holds more than --balance-abs-threshold requests over the idlest, and
+  more than --balance-rel-threshold times as many): the least-loaded replica.
+- Else, a replica holding at least --cache-threshold of the prompt: the one holding the most,
+  the least loaded among equals (so that once a shared prefix is on several, they share it).
+- Else the replica holding the fewest pages, which spreads new prefixes evenly.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import count
 
+from radixserve.server_args import ServerArgs
+
 PAGE_TOKENS = 16
-MIN_MATCH = 0.5  # SGLang router's --cache-threshold default
 MAX_PAGES_PER_REPLICA = 100_000  # 1.6M tokens of prompts remembered; about 10 MB
 
 
@@ -23,26 +29,47 @@ class RoundRobinRouter:
         self._next = count()
         self.num_replicas = num_replicas
 
-    def pick(self, input_ids: Sequence[int]) -> int:
+    def pick(self, input_ids: Sequence[int], loads: Sequence[int]) -> int:
         return next(self._next) % self.num_replicas
 
 
 class CacheAwareRouter:
-    def __init__(self, num_replicas: int):
+    def __init__(
+        self,
+        num_replicas: int,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.0001,
+    ):
         self.pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
         self.num_sent = [0] * num_replicas
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
 
-    def pick(self, input_ids: Sequence[int]) -> int:
+    def pick(self, input_ids: Sequence[int], loads: Sequence[int]) -> int:
+        """The replica for a prompt, given each replica's requests in flight."""
         hashes = page_hashes(input_ids)
         replicas = range(len(self.pages))
         matched = [_leading_matches(pages, hashes) for pages in self.pages]
-        best = max(replicas, key=matched.__getitem__)
-        if matched[best] * PAGE_TOKENS < MIN_MATCH * len(input_ids):
-            # Prompts shorter than a page add no pages: the count of requests breaks the tie.
-            best = min(replicas, key=lambda i: (len(self.pages[i]), self.num_sent[i]))
+        most = max(matched)
+        if self.imbalanced(loads):
+            best = min(replicas, key=lambda i: (loads[i], -matched[i]))
+        elif most and most * PAGE_TOKENS >= self.cache_threshold * len(input_ids):
+            best = min((i for i in replicas if matched[i] == most), key=loads.__getitem__)
+        else:
+            # Prompts shorter than a page add no pages: load, then requests sent break the tie.
+            best = min(replicas, key=lambda i: (len(self.pages[i]), loads[i], self.num_sent[i]))
         self._remember(self.pages[best], hashes)
         self.num_sent[best] += 1
         return best
+
+    def imbalanced(self, loads: Sequence[int]) -> bool:
+        busiest, idlest = max(loads), min(loads)
+        return (
+            busiest - idlest > self.balance_abs_threshold
+            and busiest > idlest * self.balance_rel_threshold
+        )
 
     @staticmethod
     def _remember(pages: OrderedDict[int, None], hashes: list[int]) -> None:
@@ -69,7 +96,12 @@ def _leading_matches(pages: OrderedDict[int, None], hashes: list[int]) -> int:
     return n
 
 
-def make_router(method: str, num_replicas: int) -> RoundRobinRouter | CacheAwareRouter:
-    if method == "cache_aware":
-        return CacheAwareRouter(num_replicas)
-    return RoundRobinRouter(num_replicas)
+def make_router(args: ServerArgs) -> RoundRobinRouter | CacheAwareRouter:
+    if args.load_balance_method == "cache_aware":
+        return CacheAwareRouter(
+            args.dp_size,
+            args.cache_threshold,
+            args.balance_abs_threshold,
+            args.balance_rel_threshold,
+        )
+    return RoundRobinRouter(args.dp_size)

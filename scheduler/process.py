@@ -32,8 +32,10 @@ from radixserve.protocol.internal import (
     HealthReq,
     ModelInfoOut,
     ModelInfoReq,
+    ReplicaLoad,
     ReqError,
     SchedulerInput,
+    SchedulerReady,
     ServerInfoOut,
     ServerInfoReq,
     StopReq,
@@ -166,9 +168,12 @@ class SchedulerProcess:
             ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
         )
         self.send_control = self.send_to_tokenizer
-        if args.dp_size > 1:
+        self.reports_load = args.dp_size > 1  # to the controller's router
+        if self.reports_load:
             self.send_control = transport.connect_push(ctx, ipc_dir, transport.DP_CONTROLLER_INPUT)
         self.codec = transport.Codec(SchedulerInput)
+        self.received = 0  # generates, ever
+        self.last_load: tuple[int, int] = (0, 0)  # as last reported
 
     def event_loop(self) -> None:
         scheduler = self.scheduler
@@ -189,6 +194,8 @@ class SchedulerProcess:
                     release_freed_memory()
             if not ran:
                 self.worker.keep_alive()  # the other TP ranks beat on rank 0's broadcasts
+            if self.reports_load:
+                self.report_load()
 
     def recv_requests(self, wait_ms: int) -> list[msgspec.Struct]:
         """Everything queued now; with `wait_ms` (idle), first sleep until something arrives or
@@ -207,6 +214,7 @@ class SchedulerProcess:
         scheduler = self.scheduler
         match msg:
             case TokenizedGenerateReq():
+                self.received += 1
                 queued = len(scheduler.waiting) + scheduler.grammars_compiling
                 if queued >= self.max_queued_requests:
                     message = f"{queued} requests wait (--max-queued-requests)"
@@ -231,6 +239,13 @@ class SchedulerProcess:
             case ModelInfoReq(query_id=qid):
                 self._answer(ModelInfoOut(qid, self.model_info))
 
+    def report_load(self) -> None:
+        """This replica's load to the controller, when it changed: at most once a step."""
+        load = (self.received, len(self.scheduler.waiting) + len(self.scheduler.running))
+        if load != self.last_load:
+            self.last_load = load
+            self._answer(ReplicaLoad(self.dp_rank, *load))
+
     def stream_output(self) -> None:
         for error in self.scheduler.errors:
             self._reply(error)
@@ -239,6 +254,11 @@ class SchedulerProcess:
         if outbox:
             self.send_to_detokenizer.send(self.codec.encode(BatchTokenOut(outbox)))
             self.scheduler.outbox = []
+
+    def announce_ready(self) -> None:
+        """Tell the tokenizer manager this replica serves: until every replica has, it refuses
+        generates and control queries with `not_ready` rather than hold them."""
+        self._reply(SchedulerReady(self.dp_rank))
 
     def _reply(self, msg: msgspec.Struct) -> None:
         self.send_to_tokenizer.send(self.codec.encode(msg))
@@ -260,6 +280,7 @@ def run_scheduler_process(
     keep_freed_memory()
     proc = SchedulerProcess(args, model_path, ipc_dir, heartbeat, placement)
     report_ready(ready_writer, placement.process_name)
+    proc.announce_ready()
     proc.event_loop()
 
 

@@ -93,6 +93,7 @@ class Scheduler:
         if isinstance(req, ReqError):
             return req
         self.stats.prompt_tokens += len(req.origin_input_ids)
+        self.stats.num_requests += 1
         grammar = req.sampling_params.grammar
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = FinishReason("length")

@@ -20,6 +20,7 @@ class SchedulerStats:
     num_prefill_tokens: int = 0  # tokens computed for prompts (and recomputes), not decodes
     num_decode_steps: int = 0
     prompt_tokens: int = 0
+    num_requests: int = 0
     cached_tokens: int = 0  # each request's cached_tokens, counted once
     gen_tokens_since_log: int = 0
     busy_time_since_log: float = 0.0  # seconds spent in steps: idle time is not throughput
@@ -80,4 +81,5 @@ class SchedulerStats:
             num_prefill_tokens=self.num_prefill_tokens,
             max_running_requests=max_running_requests,
             prompt_tokens=self.prompt_tokens,
+            num_requests=self.num_requests,
         )

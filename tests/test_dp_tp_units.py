@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+import pytest
 import torch
 from test_sampler import make_info
 from test_tensor_parallel import make_batch
 
 from radixserve.launch import local_placements
 from radixserve.model_worker.batch_codec import decode_batch, encode_batch
-from radixserve.scheduler.dp_controller import sum_server_info
+from radixserve.protocol.internal import ReplicaLoad
+from radixserve.scheduler.dp_controller import ReplicaLoads, sum_server_info
 from radixserve.scheduler.dp_router import PAGE_TOKENS, CacheAwareRouter, RoundRobinRouter
 from radixserve.scheduler.seen_tokens import SeenTokens
 from radixserve.server_args import ServerArgs, check_parallel_args
@@ -42,21 +44,71 @@ def test_a_broadcast_batch_decodes_to_the_batch_sent() -> None:
     assert encode_batch(wider) == data
 
 
+def test_a_broadcast_batch_whose_lengths_disagree_is_refused() -> None:
+    """A TP follower decodes rank 0's bytes: a batch whose lengths disagree would have the
+    kernels read out of bounds, so it is a clean error instead."""
+    batch = make_batch([(0, 7), (40, 1), (3, 2)], torch.randperm(200) + 1)
+    batch.sampling = make_info(3, temperatures=[0.0, 0.7, 1.0])
+    tampered = {
+        "the extend lengths sum to the tokens": {"extend_lens": torch.tensor([7, 1, 1])},
+        "lengths >= 0": {"prefix_lens": torch.tensor([0, -40, 3])},
+        "one entry per token": {"positions": torch.arange(9)},
+    }
+    short = replace(batch.sampling, temperatures=torch.tensor([0.0, 0.7]))
+    cases = [(rule, replace(batch, **changes)) for rule, changes in tampered.items()]
+    cases.append(("one per sequence", replace(batch, sampling=short)))
+    for rule, wrong in cases:
+        data = encode_batch(wrong)
+        with pytest.raises(ValueError, match=rule):
+            decode_batch(data)
+
+
 def test_round_robin_takes_turns() -> None:
     router = RoundRobinRouter(3)
-    assert [router.pick([1, 2]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [router.pick([1, 2], [0, 0, 0]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_cache_aware_keeps_a_prefix_family_on_one_replica_and_spreads_new_ones() -> None:
     router = CacheAwareRouter(2)
     families = [list(range(f * 1000, f * 1000 + 4 * PAGE_TOKENS)) for f in range(4)]
+    idle = [0, 0]
     picks = {
-        f: {router.pick(prefix + [f, i]) for i in range(5)} for f, prefix in enumerate(families)
+        f: {router.pick(prefix + [f, i], idle) for i in range(5)}
+        for f, prefix in enumerate(families)
     }
     assert all(len(p) == 1 for p in picks.values())  # a family stays where its prefix is
     assert sorted(p.pop() for p in picks.values()) == [0, 0, 1, 1]  # new families spread
-    short = [router.pick([7]) for _ in range(4)]  # no whole page: taken in turn
+    short = [router.pick([7], idle) for _ in range(4)]  # no whole page: taken in turn
     assert sorted(short) == [0, 0, 1, 1]
+
+
+def test_cache_aware_goes_to_the_least_loaded_past_both_imbalance_thresholds() -> None:
+    """SGLang router's rule: the prefix decides while the replicas are balanced; once the
+    busiest has more than --balance-abs-threshold over the idlest and more than
+    --balance-rel-threshold times as many, the least loaded gets the request, and from then on
+    the replicas holding the prefix share it by load."""
+    router = CacheAwareRouter(2, balance_abs_threshold=4, balance_rel_threshold=1.5)
+    shared = list(range(4 * PAGE_TOKENS))
+    loads = [0, 0]
+    picks = []
+    for i in range(20):  # all in flight at once: each request adds to its replica's load
+        replica = router.pick(shared + [i], loads)
+        loads[replica] += 1
+        picks.append(replica)
+    assert picks[:5] == [0] * 5  # 5 - 0 > 4: imbalanced from here
+    assert picks[5] == 1
+    assert sorted(loads) == [10, 10]  # then by load among the replicas that hold the prefix
+    assert router.imbalanced([10, 5]) and router.imbalanced([1, 7])
+    assert not router.imbalanced([9, 5])  # 4 over: not past the absolute threshold
+    assert not router.imbalanced([20, 15])  # 5 over, but not 1.5 times as many
+
+
+def test_replica_loads_count_what_was_sent_and_not_yet_received() -> None:
+    loads = ReplicaLoads(2)
+    loads.sent = [5, 2]
+    assert loads.now() == [5, 2]
+    loads.report(ReplicaLoad(dp_rank=0, received=4, in_flight=3))  # one finished, one on its way
+    assert loads.now() == [4, 2]
 
 
 def test_replicas_server_info_sums_and_weights_the_hit_rate() -> None:

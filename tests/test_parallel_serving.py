@@ -14,13 +14,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from live_server import child_pids, wait_gone
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from radixserve.client import AsyncClient, Client
-from radixserve.client.local_server import LaunchedServer, free_port, launched_server
+from radixserve.benchmarks.bench_dp_routing import shared_prompt_run
+from radixserve.client import AsyncClient, Client, ServerError
+from radixserve.client.local_server import (
+    LaunchedServer,
+    free_port,
+    launched_server,
+    wait_healthy,
+)
 
 PROMPTS = [
     "The capital of France is",
@@ -133,34 +140,84 @@ def prefix_hit_rate(server: LaunchedServer) -> float:
 def test_dp2_gives_the_greedy_tokens_of_tp1_and_cache_aware_routing_hits_more(
     tiny_served_model, greedy_reference
 ):
+    """And issue 22's acceptance 2: with 64 requests at once sharing a system prompt, cache-aware
+    routing keeps both replicas busy (35-65% of the requests each), at a prefix-cache hit rate
+    within 10 points of one replica's (benchmarks/bench_dp_routing.py prints the figures)."""
     rates = {}
+    shared = {}
     for method in ("round_robin", "cache_aware"):
         for server in serve(tiny_served_model, "--dp-size", "2", "--load-balance-method", method):
             assert greedy_tokens(server) == greedy_reference
             rates[method] = prefix_hit_rate(server)
+            if method == "cache_aware":
+                shared[method] = shared_prompt_run(server, 64)
+    for server in serve(tiny_served_model):
+        shared["one replica"] = shared_prompt_run(server, 64)
     print(f"\nprefix-cache hit rate over --dp-size 2: {rates}")
+    print("\n".join(figures.row(name) for name, figures in shared.items()))
     assert rates["cache_aware"] > rates["round_robin"]
+    assert all(0.35 <= share <= 0.65 for share in shared["cache_aware"].shares)
+    assert shared["cache_aware"].hit_rate >= shared["one replica"].hit_rate - 0.10
 
 
 def test_two_nodes_on_loopback_give_the_greedy_tokens_of_tp1(
     tiny_served_model, greedy_reference, tmp_path
 ):
+    """Node 0 alone cannot load its model (its TP group waits for node 1): until node 1 comes,
+    node 0 answers every request at once with `not_ready` (503 over HTTP) rather than hold it."""
     dist = ("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}")
     flags = ("--model", str(tiny_served_model), *FLAGS)
     node1_log = tmp_path / "node1.log"
-    with open(node1_log, "wb") as log:
-        node1 = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.launch", *flags, *dist, "--node-rank", "1"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    node1 = None
     try:
-        with launched_server(*flags, *dist, "--node-rank", "0") as s:
+        with launched_server(*flags, *dist, "--node-rank", "0", wait=False) as s:
+            check_not_ready(s)
+            with open(node1_log, "wb") as log:
+                node1 = subprocess.Popen(
+                    [sys.executable, "-m", "radixserve.launch", *flags, *dist, "--node-rank", "1"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            wait_healthy(s, 300)
             assert greedy_tokens(s) == greedy_reference
+            assert httpx.get(f"{s.http_url}/health_generate", timeout=60).status_code == 200
+            (card,) = httpx.get(f"{s.http_url}/v1/models").json()["data"]
+            assert card["root"] == card["id"] and card["max_model_len"] == 1024
         # Node 0 gone, node 1's rank loses its group and its launcher stops.
-        assert node1.wait(20) == 1
+        assert node1 is not None and node1.wait(20) == 1
     finally:
-        if node1.poll() is None:
+        if node1 is not None and node1.poll() is None:
             node1.kill()
             node1.wait()
     assert "radixserve node 1 of 2 ready" in node1_log.read_text()
+
+
+def check_not_ready(server: LaunchedServer) -> None:
+    """Every door refuses at once while the model loads: ZMQ generates with `not_ready` and their
+    rid, HTTP with 503 and Retry-After (/v1/models too, as vLLM is not listening by then)."""
+    with Client(server.address, timeout=30, connect_timeout=1) as c:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the tokenizer manager listens
+            try:
+                c.health()
+            except (ConnectionError, TimeoutError):
+                continue
+            except ServerError as e:
+                assert e.code == "not_ready"
+                break
+        with pytest.raises(ServerError) as refused:
+            c.generate("Hi", rid="early", sampling_params={"max_new_tokens": 2})
+        assert (refused.value.code, refused.value.rid) == ("not_ready", "early")
+        with pytest.raises(ServerError, match="not_ready"):
+            c.health()
+    url = server.http_url
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+    for response in (
+        httpx.get(f"{url}/health"),
+        httpx.get(f"{url}/health_generate"),
+        httpx.get(f"{url}/v1/models"),
+        httpx.post(f"{url}/generate", json=body),
+    ):
+        assert response.status_code == 503, response.url
+        assert response.headers["retry-after"] == "1"
+    assert httpx.post(f"{url}/generate", json=body).json()["error"]["code"] == "not_ready"

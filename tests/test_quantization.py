@@ -75,6 +75,35 @@ def test_int8_products_are_exact_at_the_extremes() -> None:
         assert INT8_GEMM_MIN_ROWS <= 16  # the 16 rows above went through oneDNN
 
 
+def test_a_weight_of_minus_128_keeps_its_sign() -> None:
+    """Pre-quantized checkpoints use -128, which AVX2's sign trick once negated to itself:
+    every path gives the exact products of any int8 weight; weights quantized here stay in
+    [-127, 127]."""
+    gen = torch.Generator().manual_seed(5)
+    K = 96
+    x = (torch.randint(0, 2, (16, K), generator=gen) * 2 - 1).float() * 127  # scale exactly 1
+    weight = Int8Weight(torch.ones(4, K))
+    weight.q = torch.full((4, K), -128, dtype=torch.int8)
+    weight.q[1, ::2] = 127
+    weight.scale = torch.ones(4)
+    expected = (x.long() @ weight.q.long().T).float()
+    for rows in (1, 3, 8, 16):
+        assert torch.equal(weight.matmul(x[:rows], None), expected[:rows])
+    quantized = Int8Weight(torch.randn(8, K, generator=gen))
+    assert quantized.q.min() >= -127 and quantized.q.max() <= 127
+
+
+def test_a_subnormal_channel_scale_quantizes_to_zeros_not_infinities() -> None:
+    w = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    w[1] = 1e-40  # subnormal: 1 / (1e-40 / 127) is infinite in float32
+    w[2] = 0.0
+    weight = Int8Weight(w)
+    assert weight.scale[1] == 0 and weight.scale[2] == 0 and not weight.q[1:].any()
+    assert torch.isfinite(weight.scale).all() and weight.q[0].abs().max() == 127
+    y = weight.matmul(torch.randn(2, 64), None)
+    assert torch.isfinite(y).all() and not y[:, 1:].any()
+
+
 def test_a_rows_result_does_not_depend_on_its_batch() -> None:
     gen = torch.Generator().manual_seed(4)
     weight = Int8Weight(torch.randn(300, 128, generator=gen))

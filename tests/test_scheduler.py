@@ -9,6 +9,7 @@ from fake_worker import EOS, FakeModelWorker, reference_tokens
 
 from radixserve.protocol.internal import TokenizedGenerateReq
 from radixserve.protocol.wire import SamplingParams
+from radixserve.scheduler.kv_manager import InvariantError
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
@@ -206,3 +207,41 @@ def test_each_sequence_carries_its_own_sampling_parameters_across_row_reuse():
         assert sorted(set(seen.batch_rows.tolist()) if seen else []) == penalised
         s.outbox = []
     assert checked > 9
+
+
+def _running_scheduler() -> tuple[Scheduler, int]:
+    """A scheduler mid-way: one request decoding (its prompt cached and locked), and its row."""
+    s = make_scheduler(pool=256)
+    s.add_request(gen("a", list(range(1, 41)), 20))
+    for _ in range(3):
+        s.step()
+    (req,) = s.running
+    assert req.kv is not None
+    s.check_invariants(None)  # sound so far
+    return s, req.kv.row
+
+
+def test_the_invariant_checker_catches_a_leaked_slot():
+    s, _ = _running_scheduler()
+    s.kv.allocator.alloc(1)  # taken from the free list, held by no one
+    with pytest.raises(InvariantError, match="a slot leaked"):
+        s.check_invariants(None)
+
+
+def test_the_invariant_checker_catches_a_slot_owned_twice():
+    s, row = _running_scheduler()
+    owned = s.kv.req_to_token_pool.req_to_token[row, 39:40].clone()  # the request's own slot
+    s.kv.allocator.free(owned)  # free as well
+    with pytest.raises(InvariantError, match="owned twice"):
+        s.check_invariants(None)
+
+
+def test_the_invariant_checker_catches_a_locked_prefix_unlocked():
+    s, row = _running_scheduler()
+    tree = s.kv.tree_cache
+    assert tree is not None
+    node = s.kv._locked[row]
+    assert node is not None and node is not tree.root
+    tree.dec_lock_ref(node)  # evictable now, while the request still reads it
+    with pytest.raises(InvariantError, match="does not lock its prefix"):
+        s.check_invariants(None)

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from radixserve.client.local_server import free_port
 from radixserve.protocol import transport
-from radixserve.protocol.internal import BatchStrOut, ReqStrOut, SchedulerInput
+from radixserve.protocol.internal import BatchStrOut, ReqStrOut, SchedulerInput, SchedulerReady
 from radixserve.protocol.wire import FinishReason
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager.manager import TokenizerManager
@@ -45,6 +45,12 @@ class Harness:
         data = await asyncio.wait_for(self.scheduler.recv(), timeout)
         return msgspec.msgpack.decode(data, type=SchedulerInput)
 
+    async def announce_ready(self) -> None:
+        """What the scheduler sends once its model is loaded; back once the manager has it."""
+        await self.backend.send(msgspec.msgpack.encode(SchedulerReady(0)))
+        while not self.manager.ready:
+            await asyncio.sleep(0.01)
+
     async def output(
         self, cid: str, ids: list[int], reason: FinishReason | None = None, text: str = "t"
     ) -> None:
@@ -53,7 +59,11 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def tokenizer_manager(model_dir: Path, **overrides: Any) -> AsyncIterator[Harness]:
+async def tokenizer_manager(
+    model_dir: Path, ready: bool = True, **overrides: Any
+) -> AsyncIterator[Harness]:
+    """The manager and the test's ends of its sockets; `ready`: the scheduler has said its model
+    is loaded (else the test says so, with `announce_ready`)."""
     ipc_dir = tempfile.mkdtemp(prefix="rs-tm-")
     args = ServerArgs(model=str(model_dir), port=free_port(), **overrides)
     manager = TokenizerManager(args, str(model_dir), ipc_dir)
@@ -73,6 +83,8 @@ async def tokenizer_manager(model_dir: Path, **overrides: Any) -> AsyncIterator[
         if loop is not None
     ]
     try:
+        if ready and hasattr(manager, "ready"):
+            await harness.announce_ready()
         yield harness
     finally:
         for task in loops:

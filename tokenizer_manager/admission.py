@@ -1,6 +1,7 @@
-"""A generate's way in: registered at once, then tokenized and sent to the scheduler in a task
-of its own, so that while a long prompt is in the tokenizer the manager goes on taking
-everyone's requests (aborts, health checks, other generates)."""
+"""A generate's way in: admitted under the intake's caps (intake.py), registered at once, then
+tokenized and sent to the scheduler in a task of its own, so that while a long prompt is in the
+tokenizer the manager goes on taking everyone's requests (aborts, health checks, other
+generates)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import msgspec
 from radixserve.protocol.internal import AbortReq, TokenizedGenerateReq
 from radixserve.protocol.wire import INT64_MIN, GenerateRequest
 from radixserve.tokenizer_manager.inflight import Envelope, InFlight, InFlightRequest
+from radixserve.tokenizer_manager.intake import Intake, Ticket, held_bytes
 from radixserve.tokenizer_manager.replies import Replies
 from radixserve.tokenizer_manager.request_decoder import ClientError
 from radixserve.tokenizer_manager.scheduler_link import SchedulerLink
@@ -20,12 +22,18 @@ from radixserve.tokenizer_manager.tokenization import PromptTooLong, Tokenizatio
 
 class Admission:
     def __init__(
-        self, tokenization: Tokenization, inflight: InFlight, link: SchedulerLink, replies: Replies
+        self,
+        tokenization: Tokenization,
+        inflight: InFlight,
+        link: SchedulerLink,
+        replies: Replies,
+        intake: Intake,
     ):
         self.tokenization = tokenization
         self.inflight = inflight
         self.link = link
         self.replies = replies
+        self.intake = intake
         self.accepting = True  # until shutdown
         self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
 
@@ -35,14 +43,23 @@ class Admission:
         rid = req.rid or uuid.uuid4().hex
         if not self.accepting:
             raise ClientError("overloaded", "the server is shutting down", rid)
+        ticket = self.intake.take(self.replies.client_of(envelope[0]), held_bytes(req), rid)
         request = self.inflight.open(envelope, rid, req.stream, req.sampling_params.n)
         if request is None:
+            ticket.release()
             raise ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
-        task = asyncio.create_task(self.replies.answer_errors(envelope, self._send(request, req)))
+        work = self._send(request, req, ticket)
+        task = asyncio.create_task(self.replies.answer_errors(envelope, work))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, request: InFlightRequest, req: GenerateRequest) -> None:
+    async def _send(self, request: InFlightRequest, req: GenerateRequest, ticket: Ticket) -> None:
+        try:
+            await self._tokenize_and_send(request, req)
+        finally:
+            ticket.release()
+
+    async def _tokenize_and_send(self, request: InFlightRequest, req: GenerateRequest) -> None:
         try:
             input_ids = await self.tokenization.input_ids_async(req)
         except Exception as e:

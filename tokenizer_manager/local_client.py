@@ -9,6 +9,7 @@ not pick an id starting with zero, so none can pose as a local client or reach i
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Hashable
 
 import msgspec
 
@@ -17,8 +18,12 @@ from radixserve.tokenizer_manager.backlog_meter import BacklogMeter
 
 
 class LocalClient:
-    def __init__(self, number: int, max_backlog_bytes: int, meter: BacklogMeter):
+    def __init__(
+        self, number: int, max_backlog_bytes: int, meter: BacklogMeter, owner: Hashable = None
+    ):
         self.peer = b"\x00local" + number.to_bytes(8, "big")
+        # Who the admission caps count it against: its HTTP client's address; else itself.
+        self.owner = owner if owner is not None else self.peer
         self.max_backlog_bytes = max_backlog_bytes
         self.meter = meter
         self._replies: asyncio.Queue[msgspec.Struct | None] = asyncio.Queue()

@@ -8,9 +8,11 @@ up no one; `output_loop` turns what the detokenizer and scheduler send back into
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import msgspec
@@ -29,6 +31,7 @@ from radixserve.protocol.internal import (
     ModelInfoReq,
     ReqError,
     ReqStrOut,
+    SchedulerReady,
     ServerInfoOut,
     ServerInfoReq,
     TokenizerManagerInput,
@@ -47,6 +50,7 @@ from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager import request_log
 from radixserve.tokenizer_manager.admission import Admission
 from radixserve.tokenizer_manager.inflight import Envelope, InFlight
+from radixserve.tokenizer_manager.intake import Intake
 from radixserve.tokenizer_manager.local_client import LocalClient
 from radixserve.tokenizer_manager.metrics import Metrics
 from radixserve.tokenizer_manager.replies import Replies
@@ -60,6 +64,11 @@ from radixserve.tokenizer_manager.shutdown import FINAL_FLUSH_S, drain
 from radixserve.tokenizer_manager.tokenization import Tokenization
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
+
+# How long a control query (health, server_info, ...) waits for the scheduler before its client
+# gets `overloaded`: a scheduler in a long step answers late, and a health check must not hang.
+QUERY_TIMEOUT_S = 5.0
+ROUTER_RCVHWM = 8
 
 
 class TokenizerManager:
@@ -76,6 +85,10 @@ class TokenizerManager:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client fails
         self.router.setsockopt(zmq.MAXMSGSIZE, args.max_request_bytes)  # per frame (WIRE.md)
+        # Frames libzmq holds per client before it stops reading that client's socket (TCP
+        # pushes back): its default, 1,000 of up to --max-request-bytes each, is unbounded in
+        # practice; what is read goes through the intake's caps.
+        self.router.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
         self.router.bind(f"tcp://{args.host}:{args.port}")
         self.link = SchedulerLink(self.ctx, ipc_dir)
         self.recv_from_backend = transport.bind_pull(
@@ -85,15 +98,33 @@ class TokenizerManager:
         self.codec = transport.Codec(TokenizerManagerInput)
         self.inflight = InFlight()
         self.replies = Replies(args, self.router, self.inflight, self.link)
-        self.admission = Admission(self.tokenization, self.inflight, self.link, self.replies)
-        self.pending_queries: dict[int, Envelope] = {}
+        self.intake = Intake(args)
+        self.admission = Admission(
+            self.tokenization, self.inflight, self.link, self.replies, self.intake
+        )
+        # Each control query's client, and the timer that answers it if the scheduler does not.
+        self.pending_queries: dict[int, tuple[Envelope, asyncio.TimerHandle]] = {}
+        self._timeouts: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
         self.query_ids = itertools.count()
         self.metrics = Metrics()
+        self.replicas_ready: set[int] = set()  # until all are, requests get `not_ready`
+        self.query_timeout_s = QUERY_TIMEOUT_S
+
+    @property
+    def ready(self) -> bool:
+        return len(self.replicas_ready) == self.args.dp_size
+
+    def check_ready(self, rid: str | None = None) -> None:
+        if not self.ready:
+            raise ClientError("not_ready", _NOT_READY, rid)
 
     # ---- client -> server ----------------------------------------------------------------------
 
     async def client_loop(self) -> None:
         while True:
+            # A ready socket's recv does not yield: without this, a flood of frames would keep
+            # the loop from everything else (tokenized requests, replies, HTTP health checks).
+            await asyncio.sleep(0)
             frames = await self.router.recv_multipart()
             # A DEALER's request is [id, payload], a REQ's [id, b"", payload]: anything else
             # is not ours, and must not be echoed back at the size it came in.
@@ -117,6 +148,8 @@ class TokenizerManager:
         await self.replies.answer_errors(envelope, self.handle_request(envelope, req))
 
     async def handle_request(self, envelope: Envelope, req: Any) -> None:
+        if not isinstance(req, AbortRequest):
+            self.check_ready(getattr(req, "rid", None))
         match req:
             case GenerateRequest():
                 self.admission.admit(envelope, req)
@@ -136,9 +169,22 @@ class TokenizerManager:
                 await self.forward_query(envelope, FlushCacheReq)
 
     async def forward_query(self, envelope: Envelope, query_type: type) -> None:
+        """Ask the scheduler; its answer goes to `envelope`, or `overloaded` if it has none
+        within QUERY_TIMEOUT_S."""
         qid = next(self.query_ids)
-        self.pending_queries[qid] = envelope
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.query_timeout_s, self._query_timed_out, qid)
+        self.pending_queries[qid] = (envelope, timer)
         await self.link.send(query_type(qid))
+
+    def _query_timed_out(self, qid: int) -> None:
+        envelope, _ = self.pending_queries.pop(qid)
+        message = f"the scheduler did not answer within {self.query_timeout_s:g}s (a long step)"
+        task = asyncio.create_task(
+            self.replies.reply_error(envelope, ClientError("overloaded", message))
+        )
+        self._timeouts.add(task)
+        task.add_done_callback(self._timeouts.discard)
 
     # ---- server -> client ----------------------------------------------------------------------
 
@@ -159,6 +205,10 @@ class TokenizerManager:
                     await self.answer_query(qid, HealthReply("ok"))
                 case ModelInfoOut(query_id=qid, info=info):
                     await self.answer_query(qid, info)
+                case SchedulerReady(dp_rank=dp_rank):
+                    self.replicas_ready.add(dp_rank)
+                    if self.ready:
+                        logger.info("The model is ready: taking requests")
 
     async def handle_output(self, out: ReqStrOut) -> None:
         completion = self.inflight.completions.get(out.rid)
@@ -197,14 +247,16 @@ class TokenizerManager:
         await self.replies.reply_error(request.envelope, ClientError(code, message, request.rid))
 
     async def answer_query(self, qid: int, reply: msgspec.Struct) -> None:
-        envelope = self.pending_queries.pop(qid, None)
-        if envelope is not None:
+        pending = self.pending_queries.pop(qid, None)
+        if pending is not None:  # else it timed out: its client had `overloaded`
+            envelope, timer = pending
+            timer.cancel()
             await self.replies.reply(envelope, reply)
 
     # ---- in-process clients (the HTTP front) ---------------------------------------------------
 
-    def open_local_client(self) -> LocalClient:
-        return self.replies.open_local_client()
+    def open_local_client(self, owner: Hashable = None) -> LocalClient:
+        return self.replies.open_local_client(owner)
 
     async def close_local_client(self, client: LocalClient) -> None:
         await self.replies.close_local_client(client)
@@ -224,4 +276,5 @@ class TokenizerManager:
         self.ctx.destroy(linger=int(FINAL_FLUSH_S * 1000))
 
 
+_NOT_READY = "the model is still loading; retry shortly"
 _ONE_FRAME = "a request is one frame (after a REQ socket's empty delimiter)"

@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Hashable
 
 import msgspec
 import zmq.asyncio
@@ -141,12 +141,17 @@ class Replies:
 
     # ---- in-process clients (the HTTP front) ---------------------------------------------------
 
-    def open_local_client(self) -> LocalClient:
+    def open_local_client(self, owner: Hashable = None) -> LocalClient:
         client = LocalClient(
-            next(self._local_ids), self.args.max_reply_backlog_bytes, self.backlog_meter
+            next(self._local_ids), self.args.max_reply_backlog_bytes, self.backlog_meter, owner
         )
         self.local_clients[client.peer] = client
         return client
+
+    def client_of(self, peer: bytes) -> Hashable:
+        """Who a request from `peer` counts against: a ZMQ connection, or an HTTP address."""
+        local = self.local_clients.get(peer)
+        return local.owner if local is not None else peer
 
     async def close_local_client(self, client: LocalClient) -> None:
         """The client is done or gone: what it still has in flight is aborted."""

@@ -151,7 +151,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   std::vector<Item> items;
   for (int64_t b = 0, start = 0; b < B; start += extend[b], ++b) {
     first_token[b] = start;
-    TORCH_CHECK(prefix[b] + extend[b] <= L, "paged_attention: kv_slots row too short");
     for (int64_t q0 = 0; q0 < extend[b]; q0 += q_block) {
       const int64_t q1 = std::min(extend[b], q0 + q_block);
       items.push_back({b, q0, q1, (q1 - q0) * (prefix[b] + q1)});
@@ -271,6 +270,49 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return out;
 }
 
+// Every shape and length relation the kernel relies on, in O(batch) (and the new tokens' slots,
+// which it writes): a caller's mistake is an error, never a read or write out of bounds.
+void check_lengths(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& out_cache_loc, const at::Tensor& kv_slots,
+                   const at::Tensor& prefix_lens, const at::Tensor& extend_lens) {
+  const int64_t num_tokens = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  TORCH_CHECK(H > 0 && Hkv > 0 && D > 0, "paged_attention: ", H, " query heads, ", Hkv,
+              " KV heads of size ", D, ": each must be at least 1");
+  TORCH_CHECK(H % Hkv == 0, "paged_attention: ", H, " query heads are not a multiple of ", Hkv,
+              " KV heads");
+  TORCH_CHECK(k.size(0) == num_tokens && k.size(1) == Hkv && k.size(2) == D &&
+                  k_cache.size(2) == D,
+              "paged_attention: k ", k.sizes(), " and k_cache ", k_cache.sizes(),
+              " disagree with q ", q.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes() && v_cache.sizes() == k_cache.sizes(),
+              "paged_attention: v and v_cache must have k's and k_cache's shapes");
+  TORCH_CHECK(out_cache_loc.dim() == 1 && out_cache_loc.size(0) == num_tokens,
+              "paged_attention: out_cache_loc must hold one slot per new token (", num_tokens,
+              "), not ", out_cache_loc.sizes());
+  const int64_t B = extend_lens.numel();
+  TORCH_CHECK(extend_lens.dim() == 1 && prefix_lens.dim() == 1 && prefix_lens.size(0) == B &&
+                  kv_slots.dim() == 2 && kv_slots.size(0) == B,
+              "paged_attention: one prefix length, extend length and kv_slots row per sequence");
+  const int64_t L = kv_slots.size(1), pool = k_cache.size(0);
+  const int64_t* prefix = prefix_lens.data_ptr<int64_t>();
+  const int64_t* extend = extend_lens.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(prefix[b] >= 0 && extend[b] >= 0 && prefix[b] + extend[b] <= L,
+                "paged_attention: sequence ", b, " has prefix ", prefix[b], " and extend ",
+                extend[b], ": negative, or past its kv_slots row of ", L);
+    total += extend[b];
+  }
+  TORCH_CHECK(total == num_tokens, "paged_attention: the extend lengths sum to ", total,
+              ", not the ", num_tokens, " new tokens");
+  const int64_t* loc = out_cache_loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(loc[t] >= 0 && loc[t] < pool, "paged_attention: out_cache_loc holds ", loc[t],
+                ", outside the pool of ", pool, " slots");
+  }
+}
+
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -288,9 +330,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                 "paged_attention: index tensors must be contiguous int64");
   }
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2) &&
-                  k.size(1) == k_cache.size(1) && k.size(0) == q.size(0),
-              "paged_attention: head shapes disagree");
+  check_lengths(q, k, v, k_cache, v_cache, out_cache_loc, kv_slots, prefix_lens, extend_lens);
   return RADIXSERVE_DISPATCH_FLOAT(q, "paged_attention", [&] {
     const auto run = [&](auto head_size) {
       return attend<scalar_t, decltype(head_size)::value>(

@@ -68,7 +68,8 @@ void rotate_row(T* x1, T* x2, const T* c, const T* s, int64_t half) {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight, "rms_norm");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(-1), "rms_norm: weight shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.numel() == x.size(-1),
+              "rms_norm: weight must be contiguous [", x.size(-1), "]");
   const Rows rows = rows_of(x);
   const int64_t D = x.size(-1);
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -92,6 +93,8 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
               "fused_add_rms_norm: x and residual must be contiguous [tokens, hidden]");
   check_rows(x, weight, "fused_add_rms_norm");
   check_rows(residual, weight, "fused_add_rms_norm");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1),
+              "fused_add_rms_norm: weight must be contiguous [hidden]");
   const int64_t N = x.size(0), D = x.size(1);
   RADIXSERVE_DISPATCH_FLOAT(x, "fused_add_rms_norm", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
@@ -115,8 +118,10 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   check_rows(q, cos, "rotary_embedding");
   check_rows(k, cos, "rotary_embedding");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3, "rotary_embedding: q and k are [tokens, heads, dim]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && sin.scalar_type() == cos.scalar_type() &&
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "rotary_embedding: q and k are [tokens, heads, dim] of the same tokens and dim");
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() &&
+                  sin.scalar_type() == cos.scalar_type() && sin.sizes() == cos.sizes() &&
                   cos.size(0) == q.size(0) && cos.size(1) * 2 == q.size(2),
               "rotary_embedding: cos and sin are [tokens, head_dim / 2] in q's dtype");
   const int64_t T = q.size(0), half = cos.size(1);

@@ -44,12 +44,14 @@ int64_t dot_rows_simd(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc)
   return k;
 }
 #elif defined(__AVX2__)
-// sum_k a_k * b_k over 32 int8 pairs, added to acc's int32 lanes. |a| goes in as unsigned and
-// its sign moves onto b, so each pair of products is at most 2 * 127 * 127 < 2^15: AVX2's
-// saturating u8 x s8 pair sums never saturate, and AVX-VNNI (where present) sums the same way.
-inline __m256i dot_accumulate(__m256i acc, __m256i a, __m256i b) {
-  const __m256i a_abs = _mm256_sign_epi8(a, a);
-  const __m256i b_signed = _mm256_sign_epi8(b, a);
+// sum_k x_k * w_k over 32 int8 pairs, added to acc's int32 lanes. |w| goes in as unsigned (a
+// weight of -128, as pre-quantized checkpoints have, is 128 there) and its sign moves onto x,
+// which quantize_rows_int8 keeps in [-127, 127] so that negating it cannot overflow. Each pair
+// of products is at most 2 * 128 * 127 < 2^15: AVX2's saturating u8 x s8 pair sums never
+// saturate, and AVX-VNNI (where present) sums the same way.
+inline __m256i dot_accumulate(__m256i acc, __m256i x, __m256i w) {
+  const __m256i a_abs = _mm256_sign_epi8(w, w);
+  const __m256i b_signed = _mm256_sign_epi8(x, w);
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, a_abs, b_signed);
 #else
@@ -173,6 +175,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar &&
                   weight.is_contiguous() && x.size(1) == weight.size(1),
               "int8_linear: x [M, K] and contiguous int8 weight [N, K]");
+  TORCH_CHECK(w_scale.numel() == weight.size(0), "int8_linear: one weight scale per output");
   // Quantized here rather than by a separate op: at one row the call itself is what costs.
   const auto [xq, x_scale] = quantize_rows_int8(x);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);

@@ -43,7 +43,7 @@ void linear_m(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N)
 
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() &&
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.is_contiguous() && weight.is_contiguous() &&
                   x.scalar_type() == weight.scalar_type() && x.size(1) == weight.size(1),
               "linear_small_m: contiguous x [M, K] and weight [N, K] of one dtype");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
