@@ -8,6 +8,7 @@ comes with the batch; the sampler keeps only the generator unseeded rows draw fr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,19 +21,31 @@ from radixserve.model_worker.penalties import apply_penalties
 GREEDY_TEMPERATURE = 1e-5
 
 
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, device: torch.device, seed: int):
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int,
+        argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+    ):
+        """`argmax`: each row's argmax of [B, V] logits for greedy batches (the model's ops'
+        own, a faster one on the CPU); torch.argmax by default."""
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.argmax = argmax
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         """float32 logits [B, V] -> the next tokens (and logprobs if asked for), on the CPU."""
         if info.is_all_greedy and not info.has_penalties and not info.any_logprob:
-            return SampleOutput(logits.argmax(dim=-1).cpu())
+            return SampleOutput(self.argmax(logits).cpu())
         processed = apply_penalties(logits, info)
         if info.is_all_greedy:
-            tokens = processed.argmax(dim=-1)
+            tokens = self.argmax(processed)
         else:
             tokens = sample_tokens(processed, info, self.generator)
         if not info.any_logprob:
