@@ -70,14 +70,16 @@ def sample_tokens(
     candidates only.
     """
     device = logits.device
-    tokens = logits.argmax(dim=-1)
     # On the CPU: decided without a device sync.
     sampling = (info.temperatures >= GREEDY_TEMPERATURE).nonzero()[:, 0]
     if sampling.numel() == 0:
-        return tokens
+        return logits.argmax(dim=-1)
+    # When every row samples (the usual batch), no argmax is wasted on them: each gets a draw.
+    everyone = sampling.numel() == logits.shape[0]
+    tokens = logits.new_empty(logits.shape[0], dtype=torch.int64) if everyone else logits.argmax(-1)
     rows = _rows(info, sampling)
     probs = torch.softmax(
-        logits[sampling.to(device)] / rows.temperatures.to(device)[:, None], dim=-1
+        _take_rows(logits, sampling) / rows.temperatures.to(device)[:, None], dim=-1
     )
     filtering = (rows.top_ks > 0) | (rows.top_ps < 1)
     for members, filters in (
@@ -87,7 +89,7 @@ def sample_tokens(
         if members.numel() == 0:
             continue
         group = _rows(rows, members)
-        group_probs = probs[members.to(device)]
+        group_probs = _take_rows(probs, members)
         candidates = None  # token ids of the columns; None: all of the vocabulary, in order
         if filters:
             group_probs, candidates = _filter(group_probs, group.top_ks, group.top_ps)
@@ -102,6 +104,12 @@ def sample_tokens(
             choice = candidates.gather(1, choice[:, None])[:, 0]
         tokens[sampling[members].to(device)] = choice
     return tokens
+
+
+def _take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x's rows `idx` (ascending, CPU); x itself when they are all of them: over a vocabulary of
+    151k a copy of 64 rows costs as much as the softmax."""
+    return x if idx.numel() == x.shape[0] else x[idx.to(x.device)]
 
 
 @dataclass(slots=True)
