@@ -192,7 +192,7 @@ def _exponential_noise(
     (seed, output_index, token id) only, so their draws depend neither on the rest of the batch
     nor on their place in it."""
     if not bool(rows.seeded.any()):
-        return torch.empty_like(probs).exponential_(generator=generator)
+        return _fresh_exponential(probs.shape, probs, generator)
     device = probs.device
     seeded = rows.seeded.nonzero()[:, 0]
     unseeded = (~rows.seeded).nonzero()[:, 0]
@@ -206,9 +206,28 @@ def _exponential_noise(
         rows.seeds[seeded].to(device), rows.output_index[seeded].to(device), token_ids
     ).to(probs.dtype)
     if unseeded.numel():
-        fresh = torch.empty(unseeded.numel(), probs.shape[-1], dtype=probs.dtype, device=device)
-        noise[unseeded.to(device)] = fresh.exponential_(generator=generator)
+        shape = (unseeded.numel(), probs.shape[-1])
+        noise[unseeded.to(device)] = _fresh_exponential(shape, probs, generator)
     return noise
+
+
+def _fresh_exponential(
+    shape: tuple[int, ...] | torch.Size, like: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Exp(1) noise from `generator`. Over a whole vocabulary as -log(1 - U): torch.rand and a
+    log take about 0.4x the time of Tensor.exponential_, which draws element by element (151k
+    tokens x 64 rows: most of an unfiltered step's sampler). Over filtered candidates (1024
+    columns) exponential_ stays: one serial pass beats three parallel ones there."""
+    if shape[-1] < VECTORISED_NOISE_COLUMNS:
+        return torch.empty(shape, dtype=like.dtype, device=like.device).exponential_(
+            generator=generator
+        )
+    u = torch.rand(shape, dtype=like.dtype, device=like.device, generator=generator)
+    return u.neg_().log1p_().neg_()
+
+
+# Rows of at least this many columns draw their noise with torch.rand (see _fresh_exponential).
+VECTORISED_NOISE_COLUMNS = 16384
 
 
 # splitmix64's constants, as the int64 values of the same 64 bits.
