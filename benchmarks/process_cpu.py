@@ -13,8 +13,9 @@ tokenizer manager, the detokenizer and the scheduler's Python spend is taken fro
 
 The scheduler's time is split into its main thread (the event loop, batch building, output
 processing, and its share of the forward's OpenMP work) and its other threads (the OpenMP
-workers, the overlap thread); with 2 OpenMP threads, main minus the workers is about what the
-scheduler spends outside the forward's parallel regions.
+workers, the overlap thread). With 2 OpenMP threads, main minus the workers bounds from below
+what the scheduler spends outside the forward's parallel regions (a waiting worker spins a
+while, and that counts as its CPU time).
 """
 
 from __future__ import annotations
