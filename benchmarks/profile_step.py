@@ -1,8 +1,10 @@
-"""Where a decode step goes: torch.profiler over decode steps of the default model, in this
-process, per configuration, at 1 and at --batch sequences.
+"""Where a step goes: torch.profiler over decode steps (greedy: the forward, the LM head and the
+argmax), at 1 and at --batch sequences, and over prefills of --prefill-batch prompts, of any
+model (--model), in this process.
 
-    python benchmarks/profile_step.py [--batch 64 --steps 5] [--backend cpu_attn]
-                                      [--quantization int8] [--dtype bfloat16]
+    python benchmarks/profile_step.py [--model /work/models/qwen2-0.5b] [--dtype bfloat16]
+                                      [--batch 64 --prefill-batch 16 --steps 5]
+                                      [--backend cpu_attn] [--quantization int8]
                                       [--disable-fused-layers]
 
 Prints the wall time of a step, the op categories' self CPU time (matmuls, attention and its KV
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from bench_backends import Seqs, forward
@@ -52,27 +55,42 @@ def category(op: str) -> str:
     return "small ops"
 
 
-def timed_steps(runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> float:
-    """Seconds per decode step of `rows`, over `steps` steps."""
+def decode(runner: ModelRunner, seqs: Seqs, rows: list[int]) -> None:
+    """One greedy decode step of `rows`: a token each, through the forward and the argmax."""
+    for i in rows:
+        seqs.tokens[i].append(7)
+    runner.sampler.argmax(forward(runner, seqs, rows))
+
+
+def prefill(runner: ModelRunner, seqs: Seqs, rows: list[int]) -> None:
+    """The prompts of `rows` computed afresh (their KV rewritten in place), and the argmax."""
+    for i in rows:
+        seqs.computed[i] = 0
+    runner.sampler.argmax(forward(runner, seqs, rows))
+
+
+Step = Callable[[ModelRunner, Seqs, list[int]], None]
+
+
+def timed_steps(step: Step, runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> float:
+    """Seconds per step of `rows`, over `steps` steps."""
     start = time.perf_counter()
     for _ in range(steps):
-        for i in rows:
-            seqs.tokens[i].append(7)
-        forward(runner, seqs, rows)
+        step(runner, seqs, rows)
     return (time.perf_counter() - start) / steps
 
 
-def profile(runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> None:
-    timed_steps(runner, seqs, rows, 1)  # warm-up
-    unprofiled = timed_steps(runner, seqs, rows, steps)
+def profile(step: Step, runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> None:
+    timed_steps(step, runner, seqs, rows, 1)  # warm-up
+    unprofiled = timed_steps(step, runner, seqs, rows, steps)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        wall = timed_steps(runner, seqs, rows, steps)
+        wall = timed_steps(step, runner, seqs, rows, steps)
     totals: dict[str, float] = defaultdict(float)
     ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     for e in ops:
         totals[category(e.key)] += e.self_cpu_time_total / steps / 1e3
     print(
-        f"\n{len(rows)} sequence(s): step {unprofiled * 1e3:.1f} ms, "
+        f"\n{step.__name__} of {len(rows)} sequence(s): step {unprofiled * 1e3:.1f} ms, "
         f"{wall * 1e3:.1f} ms under the profiler"
     )
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
@@ -91,6 +109,7 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prefill-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--disable-fused-layers", action="store_true")
     args = parser.parse_args()
@@ -113,13 +132,14 @@ def main() -> None:
         f"{args.backend}, {args.dtype}, quantization {args.quantization}, "
         f"fused layers {runner.fused_layers}, threads {torch.get_num_threads()}"
     )
-    prompts = make_prompts(args.batch, 128, 49152)
+    prompts = make_prompts(args.batch, 128, min(runner.model_config.vocab_size, 49152))
     seqs = Seqs([list(p) for p in prompts], [0] * args.batch, max_len)
     with torch.inference_mode():
         for chunk in range(0, args.batch, 16):
             forward(runner, seqs, list(range(chunk, min(chunk + 16, args.batch))))
-        profile(runner, seqs, [0], args.steps)
-        profile(runner, seqs, list(range(args.batch)), args.steps)
+        profile(prefill, runner, seqs, list(range(min(args.prefill_batch, args.batch))), args.steps)
+        profile(decode, runner, seqs, [0], args.steps)
+        profile(decode, runner, seqs, list(range(args.batch)), args.steps)
 
 
 if __name__ == "__main__":

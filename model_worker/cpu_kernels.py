@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (
+    "argmax.cpp",
     "attention.cpp",
     "decoder.cpp",
     "elementwise.cpp",

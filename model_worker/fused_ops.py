@@ -25,6 +25,7 @@ SMALL_M = 8
 # Rows from which oneDNN on a reordered weight beats linear_small_m (benchmarks/bench_linear.py:
 # at 3 rows 0.50 against 0.67 ms for a layer's four projections; at 1 and 2 rows it loses).
 PACKED_MIN_ROWS = 3
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class TorchOps:
@@ -61,6 +62,10 @@ class TorchOps:
             return F.linear(x, weight, bias)
         return weight.matmul(x, bias)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax, int64 [N]: the greedy tokens of logits [N, V]."""
+        return logits.argmax(dim=-1)
+
     def weight_conversion(self) -> Callable[[torch.Tensor], PreparedWeight] | None:
         """How the float weights are best kept for these ops, once loaded; None: as they are."""
         return None
@@ -78,6 +83,7 @@ class CpuKernelOps(TorchOps):
         self._rotary = ops.rotary_embedding.default
         self._silu_and_mul = ops.silu_and_mul.default
         self._linear_small_m = ops.linear_small_m.default
+        self._argmax_rows = ops.argmax_rows.default
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps)
@@ -106,6 +112,13 @@ class CpuKernelOps(TorchOps):
         if isinstance(weight, PackedWeight):
             return self._linear_small_m(x, weight.dense, bias) if small else weight.matmul(x, bias)
         return self._linear_small_m(x, weight, bias) if small else F.linear(x, weight, bias)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        # torch.argmax goes element by element; this takes a block's max with SIMD and scans
+        # only the winning block (the same index, ties and NaN included).
+        if logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype in _KERNEL_DTYPES:
+            return self._argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def weight_conversion(self) -> Callable[[torch.Tensor], PreparedWeight] | None:
         return PackedWeight if onednn_packing_available() else None

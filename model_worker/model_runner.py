@@ -86,7 +86,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, argmax=kernels.ops.argmax)
         logger.info(
             "Loaded %s (%s, %s, attention backend %s, quantization %s, fused layers %s, "
             "TP rank %d/%d): KV pool of %d tokens, %.2f GB",

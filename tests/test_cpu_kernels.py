@@ -136,6 +136,32 @@ def test_fused_ops_equal_torch(kernel_ops, rows: int) -> None:
         torch.testing.assert_close(kernel_ops.linear(x, packed, b), expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])
+# A row of fewer elements than a vector, one of blocks and a tail, a vocabulary's width.
+@pytest.mark.parametrize("width", [5, 1000, 151936])
+def test_argmax_equals_torch_to_the_index(kernel_ops, dtype, width: int) -> None:
+    """The greedy pick: the same index as torch.argmax, also where it is a matter of convention:
+    ties (the first wins), NaN (the first NaN wins), infinities, rows of one value, and rows
+    that are a strided slice of a wider tensor."""
+    gen = torch.Generator().manual_seed(width)
+    rows = 12
+    x = torch.randn(rows, width + 3, generator=gen).to(dtype)[:, :width]  # rows apart in memory
+    last = width - 1
+    x[1, last] = x[1, 0] = 50.0  # a tie: the earlier index
+    x[2, :] = -float("inf")  # all equal: index 0
+    x[3, last // 2] = float("inf")
+    x[4, last] = float("nan")
+    x[4, last // 3] = float("nan")  # two NaNs: the first
+    x[5, 0] = float("nan")
+    x[6, :] = 0.0
+    x[6, last] = -0.0
+    x[7, last] = 60.0  # the maximum in the tail, past the last whole block
+    x[8, :] = x[8, :].abs().neg()  # all negative
+    for logits in (x, x.contiguous()):
+        assert torch.equal(kernel_ops.argmax(logits), logits.argmax(dim=-1))
+        assert torch.equal(kernel_ops.argmax(logits), TorchOps().argmax(logits))
+
+
 @needs_native_bf16
 @pytest.mark.parametrize("rows", [1, 3, 33])
 def test_fused_ops_in_bfloat16_are_close_to_torch(kernel_ops, rows: int) -> None:

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from radixserve.model_worker.batch import SamplingBatchInfo
-from radixserve.model_worker.sampler import GREEDY_TEMPERATURE, Sampler, _filter, mix64
+from radixserve.model_worker.sampler import (
+    GREEDY_TEMPERATURE,
+    VECTORISED_NOISE_COLUMNS,
+    Sampler,
+    _filter,
+    mix64,
+)
 from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
 
 VOCAB = 50
@@ -120,12 +126,20 @@ def test_top_k_top_p_min_p_keep_exactly_the_reference_set() -> None:
         assert 1 < len(support) < VOCAB, "the filter should keep some and drop some"
 
 
-def test_unfiltered_sampling_follows_the_distribution() -> None:
-    logits = torch.tensor([[0.0, 1.0, 2.0, -30.0]])
-    draws = 6000
-    seen = Sampler(CPU, seed=0)(logits.repeat(draws, 1), make_info(draws)).next_token_ids
-    freq = torch.bincount(seen, minlength=4).double() / seen.numel()
-    torch.testing.assert_close(freq, logits[0].double().softmax(-1), atol=0.02, rtol=0)
+# A few columns, and a vocabulary wide enough that its noise comes from torch.rand.
+@pytest.mark.parametrize("width", [4, VECTORISED_NOISE_COLUMNS], ids=["narrow", "vocabulary"])
+def test_unfiltered_sampling_follows_the_distribution(width: int) -> None:
+    logits = torch.full((1, width), -30.0)
+    logits[0, :3] = torch.tensor([0.0, 1.0, 2.0])
+    sampler, draws, chunk = Sampler(CPU, seed=0), 6000, 1000
+    seen = torch.cat(
+        [
+            sampler(logits.expand(chunk, width), make_info(chunk)).next_token_ids
+            for _ in range(draws // chunk)
+        ]
+    )
+    freq = torch.bincount(seen, minlength=width)[:4].double() / seen.numel()
+    torch.testing.assert_close(freq, logits[0, :4].double().softmax(-1), atol=0.02, rtol=0)
 
 
 # Our seeded row's parameters: every filter on, so the seeded path goes through all of them.

@@ -25,5 +25,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                        const c10::optional<at::Tensor>& bias);
 at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
                            const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
+at::Tensor argmax_rows(const at::Tensor& x);
 
 }  // namespace radixserve
