@@ -1,25 +1,29 @@
 """Building blocks of a decoder: norms, RoPE, and linear layers that know their TP shard.
 
 Every layer with weights is a `LoadableModule`: the loader hands it a whole checkpoint tensor and
-the layer copies in the part this rank holds. Parameters start uninitialised (torch.empty); the
-loader fails if any of them is never written.
+the layer copies in the part this rank holds. Parameters start uninitialised (torch.empty: no page
+is touched before it is loaded); the loader fails if any of them is never written. A linear
+layer's weight starts on the meta device, is filled in a plain tensor, and is kept only in the
+model's `WeightFormat` once its last piece is in (weight_format.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.model_worker.fused_ops import PreparedWeight, TorchOps
+from radixserve.model_worker.fused_ops import TorchOps
 from radixserve.model_worker.model_config import RopeConfig
 from radixserve.model_worker.parallel import TPGroup
+from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat, held_tensors
 
-WeightConversion = Callable[[torch.Tensor], PreparedWeight]
+# Vocabulary rows copied at a time: the checkpoint rows read for one copy stay small.
+_VOCAB_CHUNK_ROWS = 8192
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -46,6 +50,18 @@ class LoadableModule(nn.Module):
         param = getattr(self, name)
         _check_shape(param.shape, loaded.shape)
         param.copy_(loaded[:])
+
+    def loadable_names(self) -> list[str]:
+        """What the loader fills, each in `num_pieces` pieces."""
+        return [name for name, _ in self.named_parameters(recurse=False)]
+
+    def held_tensors(self) -> Iterator[torch.Tensor]:
+        """The tensors this module's weights take in memory, once loaded."""
+        yield from self.parameters(recurse=False)
+
+    def planned_bytes(self) -> int:
+        """What this module's weights will take in memory once loaded."""
+        return sum(p.numel() * p.element_size() for p in self.parameters(recurse=False))
 
 
 def _check_shape(expected: Sequence[int], got: Sequence[int]) -> None:
@@ -111,7 +127,53 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class ColumnParallelLinear(LoadableModule):
+class PreparedLinear(LoadableModule):
+    """A layer whose weight [rows, cols] the loader fills in a plain tensor and the layer then
+    keeps in `weight_format` only; until then `weight` is a meta tensor of its shape and dtype."""
+
+    weight: torch.Tensor | PreparedWeight
+
+    def _init_weight(
+        self,
+        rows: int,
+        cols: int,
+        weight_format: WeightFormat,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.weight_format = weight_format
+        self.weight_shape = (rows, cols)
+        self.weight_dtype = dtype  # loaded in, before it is prepared
+        self.weight = torch.empty(rows, cols, dtype=dtype, device="meta")
+        self._device = device
+        self._staging: torch.Tensor | None = None
+        self._pieces_left = set(range(self.num_pieces))
+
+    def _fill_weight(self, piece: int, fill: Callable[[torch.Tensor], object]) -> None:
+        """fill(plain weight) writes one piece; after the last one the plain tensor is prepared
+        and dropped (the pieces of a fused weight may come from different shards)."""
+        if self._staging is None:
+            assert isinstance(self.weight, torch.Tensor), "the weight is loaded already"
+            self._staging = torch.empty_like(self.weight, device=self._device)
+        fill(self._staging)
+        self._pieces_left.discard(piece)
+        if not self._pieces_left:
+            plain, self._staging = self._staging, None
+            self.weight = self.weight_format.prepare(plain)
+
+    def loadable_names(self) -> list[str]:
+        return ["weight", *super().loadable_names()]
+
+    def held_tensors(self) -> Iterator[torch.Tensor]:
+        yield from held_tensors(self.weight)
+        yield from super().held_tensors()
+
+    def planned_bytes(self) -> int:
+        rows, cols = self.weight_shape
+        return self.weight_format.nbytes(rows, cols, self.weight_dtype) + super().planned_bytes()
+
+
+class ColumnParallelLinear(PreparedLinear):
     """y = x W^T + b, W's output rows split over ranks; no communication.
 
     `output_sizes` fuses several projections (q/k/v, or gate/up) into one matmul. Each piece is
@@ -127,6 +189,7 @@ class ColumnParallelLinear(LoadableModule):
         bias: bool,
         tp: TPGroup,
         ops: TorchOps,
+        weight_format: WeightFormat,
         dtype: torch.dtype,
         device: torch.device,
         shards: Sequence[tuple[int, int]] | None = None,
@@ -134,30 +197,32 @@ class ColumnParallelLinear(LoadableModule):
         super().__init__()
         self.ops = ops
         self.num_pieces = len(output_sizes)
+        self.input_size = input_size
         self.output_sizes = tuple(output_sizes)
         if shards is None:
             shards = [tp.shard(n, "output size") for n in output_sizes]
         self.starts = tuple(start for start, _ in shards)
         self.local_sizes = tuple(length for _, length in shards)
         local_out = sum(self.local_sizes)
-        self.weight = _param(local_out, input_size, dtype=dtype, device=device)
+        self._init_weight(local_out, input_size, weight_format, dtype, device)
         self.bias = _param(local_out, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
 
-    def convert_weight(self, convert: WeightConversion) -> None:
-        _convert_weight(self, convert)
-
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
-        param = getattr(self, name)
-        _check_shape((self.output_sizes[piece], *param.shape[1:]), loaded.shape)
+        trailing = (self.input_size,) if name == "weight" else ()
+        _check_shape((self.output_sizes[piece], *trailing), loaded.shape)
         length, start = self.local_sizes[piece], self.starts[piece]
         offset = sum(self.local_sizes[:piece])
-        param[offset : offset + length].copy_(loaded[start : start + length])
+        rows = loaded[start : start + length]
+        if name == "weight":
+            self._fill_weight(piece, lambda w: w[offset : offset + length].copy_(rows))
+        else:
+            getattr(self, name)[offset : offset + length].copy_(rows)
 
 
-class RowParallelLinear(LoadableModule):
+class RowParallelLinear(PreparedLinear):
     """y = x W^T + b, W's input columns split over ranks; the partial products are summed."""
 
     def __init__(
@@ -168,6 +233,7 @@ class RowParallelLinear(LoadableModule):
         bias: bool,
         tp: TPGroup,
         ops: TorchOps,
+        weight_format: WeightFormat,
         dtype: torch.dtype,
         device: torch.device,
     ):
@@ -175,8 +241,8 @@ class RowParallelLinear(LoadableModule):
         self.tp = tp
         self.ops = ops
         self.input_size = input_size
-        _, local_in = tp.shard(input_size, "input size")
-        self.weight = _param(output_size, local_in, dtype=dtype, device=device)
+        self.input_start, local_in = tp.shard(input_size, "input size")
+        self._init_weight(output_size, local_in, weight_format, dtype, device)
         self.bias = _param(output_size, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -184,25 +250,19 @@ class RowParallelLinear(LoadableModule):
         # Added after the sum, or every rank would add it once.
         return y + self.bias if self.bias is not None else y
 
-    def convert_weight(self, convert: WeightConversion) -> None:
-        _convert_weight(self, convert)
-
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         if name == "bias":
             super().load_weight(name, loaded)
             return
-        _check_shape((self.weight.shape[0], self.input_size), loaded.shape)
-        length = self.weight.shape[1]
-        start = self.tp.rank * length
-        self.weight.copy_(loaded[:, start : start + length])
+        rows, local_in = self.weight_shape
+        _check_shape((rows, self.input_size), loaded.shape)
+        columns = loaded[:, self.input_start : self.input_start + local_in]
+        self._fill_weight(piece, lambda w: w.copy_(columns))
 
 
 class VocabParallelEmbedding(LoadableModule):
-    """Rows of the vocabulary split over ranks; also the LM head, tied to the embedding or not.
-
-    Each rank holds ceil(vocab / tp) rows; rows past the vocabulary are zero and their logits are
-    dropped.
-    """
+    """Rows of the vocabulary split over ranks: each rank holds ceil(vocab / tp) rows; rows past
+    the vocabulary are zero."""
 
     def __init__(
         self,
@@ -210,19 +270,15 @@ class VocabParallelEmbedding(LoadableModule):
         hidden_size: int,
         *,
         tp: TPGroup,
-        ops: TorchOps,
         dtype: torch.dtype,
         device: torch.device,
     ):
         super().__init__()
         self.tp = tp
-        self.ops = ops
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.rows_per_rank
         self.weight = _param(self.rows_per_rank, hidden_size, dtype=dtype, device=device)
-        # The LM head's own prepared copy, once converted; the embedding lookup keeps `weight`.
-        self.head_weight: PreparedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -233,27 +289,52 @@ class VocabParallelEmbedding(LoadableModule):
         out.masked_fill_(~mine[:, None], 0)
         return self.tp.all_reduce(out)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size], on every rank."""
-        weight = self.weight if self.head_weight is None else self.head_weight
-        logits = self.tp.all_gather(self.ops.linear(hidden, weight, None), dim=-1)
-        return logits[:, : self.vocab_size].float()
-
-    def convert_head_weight(self, convert: WeightConversion) -> None:
-        """Prepare its use as the LM head."""
-        self.head_weight = convert(self.weight)
-
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         _check_shape((self.vocab_size, self.weight.shape[1]), loaded.shape)
-        rows = loaded[self.vocab_start : self.vocab_start + self.rows_per_rank]
-        self.weight.zero_()
-        self.weight[: rows.shape[0]].copy_(rows)
+        _copy_vocab_rows(self.weight, loaded, self.vocab_start)
 
 
-def _convert_weight(layer: nn.Module, convert: WeightConversion) -> None:
-    # The parameter is replaced: the prepared copy takes its place in forward. (nn.Module types
-    # its attributes as tensors or modules, and this one is neither.)
-    float_weight = layer.weight
-    assert isinstance(float_weight, torch.Tensor)
-    del layer.weight
-    layer.weight = convert(float_weight)  # type: ignore[assignment]
+class ParallelLMHead(PreparedLinear):
+    """The LM head, its vocabulary rows split over ranks as VocabParallelEmbedding's: logits of
+    rows past the vocabulary are dropped. A tied head is loaded from the embedding's checkpoint
+    tensor into its own weight, kept in the model's weight format (the lookup needs plain rows,
+    the matmul oneDNN's layout: two copies of that one tensor, for small tied models only)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        tp: TPGroup,
+        ops: TorchOps,
+        weight_format: WeightFormat,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.ops = ops
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self._init_weight(self.rows_per_rank, hidden_size, weight_format, dtype, device)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size], on every rank."""
+        logits = self.tp.all_gather(self.ops.linear(hidden, self.weight, None), dim=-1)
+        return logits[:, : self.vocab_size].float()
+
+    def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
+        _check_shape((self.vocab_size, self.hidden_size), loaded.shape)
+        self._fill_weight(piece, lambda w: _copy_vocab_rows(w, loaded, self.vocab_start))
+
+
+def _copy_vocab_rows(dest: torch.Tensor, loaded: CheckpointTensor, start: int) -> None:
+    """This rank's rows of a [vocab, hidden] checkpoint tensor into `dest`, a block at a time;
+    rows past the vocabulary are zeroed."""
+    rows = max(0, min(dest.shape[0], loaded.shape[0] - start))
+    for begin in range(0, rows, _VOCAB_CHUNK_ROWS):
+        end = min(begin + _VOCAB_CHUNK_ROWS, rows)
+        dest[begin:end].copy_(loaded[start + begin : start + end])
+    dest[rows:].zero_()

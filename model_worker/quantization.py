@@ -1,13 +1,13 @@
 """`--quantization int8`: int8 weights, activations quantized per token at run time (w8a8 int8,
 as SGLang's and vLLM's `w8a8_int8`), with exact int32 dot products.
 
-Weights are quantized once after loading, symmetrically per output channel; each token's
-activations symmetrically on its own max |x|, with 8 bits, so a token's result does not depend
-on what else is in the batch. The CPU extension quantizes the activations and rescales the
-products. The products run in its `int8_linear` (each weight byte read once per block of 8
-rows), or, for more rows on CPUs with VNNI or AMX, in oneDNN through `torch._int_mm`. Without
-VNNI oneDNN's u8 x s8 pair sums saturate (measured: inexact on random int8 data), so there the
-extension's kernel takes every batch size. Both round the same way: the path does not change
+Weights are quantized as they are loaded, a layer at a time, symmetrically per output channel;
+each token's activations symmetrically on its own max |x|, with 8 bits, so a token's result does
+not depend on what else is in the batch. The CPU extension quantizes the activations and
+rescales the products. The products run in its `int8_linear` (each weight byte read once per
+block of 8 rows), or, for more rows on CPUs with VNNI or AMX, in oneDNN through `torch._int_mm`.
+Without VNNI oneDNN's u8 x s8 pair sums saturate (measured: inexact on random int8 data), so there
+the extension's kernel takes every batch size. Both round the same way: the path does not change
 a result.
 """
 
@@ -25,6 +25,7 @@ QUANTIZATION_METHODS = ("int8",)
 
 # Rows from which oneDNN's int8 matmul beats int8_linear here (see benchmarks/RESULTS.md).
 INT8_GEMM_MIN_ROWS = 9
+_QUANTIZE_ROWS = 1024
 
 
 def onednn_int8_is_exact() -> bool:
@@ -46,12 +47,22 @@ class Int8Weight:
         if weight.device.type != "cpu":
             raise ValueError("--quantization int8 runs on the CPU only")
         load_cpu_kernels()  # its ops quantize, multiply and rescale
-        weight = weight.detach().float()
-        self.scale = (weight.abs().amax(dim=1) / 127).contiguous()
-        inverse = torch.where(self.scale > 0, 1 / self.scale, 0)  # an all-zero row stays zero
-        self.q = torch.round(weight * inverse[:, None]).to(torch.int8).contiguous()
+        rows = weight.shape[0]
+        self.q = torch.empty(weight.shape, dtype=torch.int8)
+        self.scale = torch.empty(rows, dtype=torch.float32)
+        # A block of rows at a time: its float32 temporaries stay small beside an 8B model.
+        for start in range(0, rows, _QUANTIZE_ROWS):
+            block = weight[start : start + _QUANTIZE_ROWS].detach().float()
+            scale = block.abs().amax(dim=1) / 127
+            inverse = torch.where(scale > 0, 1 / scale, 0)  # an all-zero row stays zero
+            self.q[start : start + _QUANTIZE_ROWS] = torch.round(block * inverse[:, None])
+            self.scale[start : start + _QUANTIZE_ROWS] = scale
         self.shape = tuple(weight.shape)
         self.nbytes = self.q.numel() + 4 * self.scale.numel()
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What it holds in memory."""
+        return (self.q, self.scale)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 -> x W^T + bias [M, N] float32."""
