@@ -142,8 +142,10 @@ def write_shards(config: dict[str, Any], out_dir: Path, seed: int) -> int:
     flush()
     # Rename the shards to HF's model-0000i-of-0000n pattern now that n is known.
     count = len(shard_names)
-    renamed = {f"model-{i:05d}.safetensors": f"model-{i:05d}-of-{count:05d}.safetensors"
-               for i in range(1, count + 1)}
+    renamed = {
+        f"model-{i:05d}.safetensors": f"model-{i:05d}-of-{count:05d}.safetensors"
+        for i in range(1, count + 1)
+    }
     for old, new in renamed.items():
         (out_dir / old).rename(out_dir / new)
     index = {
