@@ -262,7 +262,8 @@ class RowParallelLinear(PreparedLinear):
 
 class VocabParallelEmbedding(LoadableModule):
     """Rows of the vocabulary split over ranks: each rank holds ceil(vocab / tp) rows; rows past
-    the vocabulary are zero."""
+    the vocabulary are zero. The table may be kept in a narrower dtype (`table_dtype`) than the
+    rows it returns (`dtype`)."""
 
     def __init__(
         self,
@@ -272,20 +273,24 @@ class VocabParallelEmbedding(LoadableModule):
         tp: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
+        table_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.tp = tp
+        self.dtype = dtype
         self.vocab_size = vocab_size
         self.rows_per_rank = -(-vocab_size // tp.size)
         self.vocab_start = tp.rank * self.rows_per_rank
-        self.weight = _param(self.rows_per_rank, hidden_size, dtype=dtype, device=device)
+        self.weight = _param(
+            self.rows_per_rank, hidden_size, dtype=table_dtype or dtype, device=device
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight).to(self.dtype)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.rows_per_rank)
-        out = F.embedding(local.masked_fill(~mine, 0), self.weight)
+        out = F.embedding(local.masked_fill(~mine, 0), self.weight).to(self.dtype)
         out.masked_fill_(~mine[:, None], 0)
         return self.tp.all_reduce(out)
 

@@ -206,8 +206,16 @@ class LlamaModel(nn.Module):
         device: torch.device,
     ):
         super().__init__()
+        # A bfloat16 checkpoint's table stays bfloat16 in a float32 model (int8's): the rows a
+        # lookup widens are the same numbers, in half the memory (1.2 GB less for an 8B model).
+        narrower = config.dtype.is_floating_point and config.dtype.itemsize < dtype.itemsize
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp=tp, dtype=dtype, device=device
+            config.vocab_size,
+            config.hidden_size,
+            tp=tp,
+            dtype=dtype,
+            table_dtype=config.dtype if narrower else dtype,
+            device=device,
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
