@@ -20,6 +20,7 @@ from torch import nn
 from radixserve.model_worker.fused_ops import TorchOps
 from radixserve.model_worker.model_config import RopeConfig
 from radixserve.model_worker.parallel import TPGroup
+from radixserve.model_worker.quantization import Int8Weight
 from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat, held_tensors
 
 # Vocabulary rows copied at a time: the checkpoint rows read for one copy stay small.
@@ -146,20 +147,26 @@ class PreparedLinear(LoadableModule):
         self.weight_dtype = dtype  # loaded in, before it is prepared
         self.weight = torch.empty(rows, cols, dtype=dtype, device="meta")
         self._device = device
-        self._staging: torch.Tensor | None = None
+        self._loading: torch.Tensor | Int8Weight | None = None
         self._pieces_left = set(range(self.num_pieces))
 
-    def _fill_weight(self, piece: int, fill: Callable[[torch.Tensor], object]) -> None:
-        """fill(plain weight) writes one piece; after the last one the plain tensor is prepared
-        and dropped (the pieces of a fused weight may come from different shards)."""
-        if self._staging is None:
+    def _write_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Rows start.. of the weight, as read from the checkpoint."""
+        if self._loading is None:
             assert isinstance(self.weight, torch.Tensor), "the weight is loaded already"
-            self._staging = torch.empty_like(self.weight, device=self._device)
-        fill(self._staging)
+            rows_, cols = self.weight_shape
+            self._loading = self.weight_format.start_loading(
+                rows_, cols, self.weight_dtype, self._device
+            )
+        self.weight_format.write_rows(self._loading, start, rows)
+
+    def _piece_loaded(self, piece: int) -> None:
+        """After the last piece the weight takes its final form (the pieces of a fused weight
+        may come from different files)."""
         self._pieces_left.discard(piece)
-        if not self._pieces_left:
-            plain, self._staging = self._staging, None
-            self.weight = self.weight_format.prepare(plain)
+        if not self._pieces_left and self._loading is not None:
+            loading, self._loading = self._loading, None
+            self.weight = self.weight_format.finish_loading(loading)
 
     def loadable_names(self) -> list[str]:
         return ["weight", *super().loadable_names()]
@@ -217,7 +224,8 @@ class ColumnParallelLinear(PreparedLinear):
         offset = sum(self.local_sizes[:piece])
         rows = loaded[start : start + length]
         if name == "weight":
-            self._fill_weight(piece, lambda w: w[offset : offset + length].copy_(rows))
+            self._write_rows(offset, rows)
+            self._piece_loaded(piece)
         else:
             getattr(self, name)[offset : offset + length].copy_(rows)
 
@@ -257,7 +265,8 @@ class RowParallelLinear(PreparedLinear):
         rows, local_in = self.weight_shape
         _check_shape((rows, self.input_size), loaded.shape)
         columns = loaded[:, self.input_start : self.input_start + local_in]
-        self._fill_weight(piece, lambda w: w.copy_(columns))
+        self._write_rows(0, columns)
+        self._piece_loaded(piece)
 
 
 class VocabParallelEmbedding(LoadableModule):
@@ -296,7 +305,10 @@ class VocabParallelEmbedding(LoadableModule):
 
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         _check_shape((self.vocab_size, self.weight.shape[1]), loaded.shape)
-        _copy_vocab_rows(self.weight, loaded, self.vocab_start)
+        _copy_vocab_rows(self._write_rows, loaded, self.vocab_start, self.rows_per_rank)
+
+    def _write_rows(self, start: int, rows: torch.Tensor) -> None:
+        self.weight[start : start + rows.shape[0]].copy_(rows)
 
 
 class ParallelLMHead(PreparedLinear):
@@ -332,14 +344,18 @@ class ParallelLMHead(PreparedLinear):
 
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         _check_shape((self.vocab_size, self.hidden_size), loaded.shape)
-        self._fill_weight(piece, lambda w: _copy_vocab_rows(w, loaded, self.vocab_start))
+        _copy_vocab_rows(self._write_rows, loaded, self.vocab_start, self.rows_per_rank)
+        self._piece_loaded(piece)
 
 
-def _copy_vocab_rows(dest: torch.Tensor, loaded: CheckpointTensor, start: int) -> None:
-    """This rank's rows of a [vocab, hidden] checkpoint tensor into `dest`, a block at a time;
-    rows past the vocabulary are zeroed."""
-    rows = max(0, min(dest.shape[0], loaded.shape[0] - start))
+def _copy_vocab_rows(
+    write: Callable[[int, torch.Tensor], None], loaded: CheckpointTensor, start: int, count: int
+) -> None:
+    """This rank's `count` rows of a [vocab, hidden] checkpoint tensor, from row `start`, to
+    write(row, values), a block at a time; rows past the vocabulary are zeros."""
+    rows = max(0, min(count, loaded.shape[0] - start))
     for begin in range(0, rows, _VOCAB_CHUNK_ROWS):
         end = min(begin + _VOCAB_CHUNK_ROWS, rows)
-        dest[begin:end].copy_(loaded[start + begin : start + end])
-    dest[rows:].zero_()
+        write(begin, loaded[start + begin : start + end])
+    if rows < count:
+        write(rows, torch.zeros(count - rows, loaded.shape[1]))

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from radixserve.model_worker.host_memory import release_freed_memory
 from radixserve.model_worker.layers import LoadableModule
 from radixserve.model_worker.models.base import CausalLM
 
@@ -88,6 +89,7 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
                             f"checkpoint weight {ckpt_name} ({path.name}): {e}"
                         ) from e
                     pending.discard((name, piece))
+                release_freed_memory()  # this tensor's temporaries, before the next one's
     if unexpected:
         raise WeightLoadError(f"checkpoint weights the model has no place for: {unexpected}")
     if pending:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
 from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
 from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.host_memory import meminfo_bytes
 from radixserve.model_worker.kernel_selection import select_kernels
 from radixserve.model_worker.kv_pool import TokenToKVPool
 from radixserve.model_worker.loader import load_weights, loadable_modules
@@ -169,11 +169,3 @@ def _check_weights_fit(weight_bytes: int, weight_format: WeightFormat, dtype: to
             f"the weights take {weight_bytes / 1e9:.2f} GB ({form}) but only "
             f"{available / 1e9:.2f} GB of memory is available"
         )
-
-
-def meminfo_bytes(field: str) -> int:
-    """A field of /proc/meminfo (MemTotal, MemAvailable) in bytes."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError(f"{field} not found in /proc/meminfo")

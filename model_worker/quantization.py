@@ -44,21 +44,35 @@ class Int8Weight:
     """A linear layer's weight [N, K]: int8, one scale per output channel."""
 
     def __init__(self, weight: torch.Tensor):
-        if weight.device.type != "cpu":
+        self._allocate(weight.shape[0], weight.shape[1], weight.device)
+        self.quantize_rows(0, weight)
+
+    @classmethod
+    def empty(cls, rows: int, cols: int, device: torch.device) -> Int8Weight:
+        """To be filled by quantize_rows, as the loader reads the rows."""
+        weight = cls.__new__(cls)
+        weight._allocate(rows, cols, device)
+        return weight
+
+    def _allocate(self, rows: int, cols: int, device: torch.device) -> None:
+        if device.type != "cpu":
             raise ValueError("--quantization int8 runs on the CPU only")
         load_cpu_kernels()  # its ops quantize, multiply and rescale
-        rows = weight.shape[0]
-        self.q = torch.empty(weight.shape, dtype=torch.int8)
+        self.q = torch.empty(rows, cols, dtype=torch.int8)
         self.scale = torch.empty(rows, dtype=torch.float32)
+        self.shape = (rows, cols)
+        self.nbytes = self.q.numel() + 4 * self.scale.numel()
+
+    def quantize_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Rows start.. from float values, each on its own max |w|."""
         # A block of rows at a time: its float32 temporaries stay small beside an 8B model.
-        for start in range(0, rows, _QUANTIZE_ROWS):
-            block = weight[start : start + _QUANTIZE_ROWS].detach().float()
+        for begin in range(0, rows.shape[0], _QUANTIZE_ROWS):
+            block = rows[begin : begin + _QUANTIZE_ROWS].detach().float()
             scale = block.abs().amax(dim=1) / 127
             inverse = torch.where(scale > 0, 1 / scale, 0)  # an all-zero row stays zero
-            self.q[start : start + _QUANTIZE_ROWS] = torch.round(block * inverse[:, None])
-            self.scale[start : start + _QUANTIZE_ROWS] = scale
-        self.shape = tuple(weight.shape)
-        self.nbytes = self.q.numel() + 4 * self.scale.numel()
+            at = start + begin
+            self.q[at : at + block.shape[0]] = torch.round(block * inverse[:, None])
+            self.scale[at : at + block.shape[0]] = scale
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """What it holds in memory."""
