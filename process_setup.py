@@ -18,6 +18,8 @@ from multiprocessing.context import SpawnContext
 import msgspec
 import setproctitle
 
+# Its home is model_worker, whose loader calls it too; the scheduler takes it from here.
+from radixserve.model_worker.host_memory import release_freed_memory as release_freed_memory
 from radixserve.protocol.internal import ProcessReady
 from radixserve.server_args import ServerArgs
 
@@ -137,16 +139,3 @@ def keep_freed_memory() -> None:
         return
     libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
     libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
-
-
-def release_freed_memory() -> None:
-    """Give the kernel back the whole free pages inside the heap (malloc_trim(0) does, not just the
-    top). Under varied batch shapes the model process's freed blocks fragment: measured with
-    mallinfo2 over two rounds of the reliability test's load, the heap's in-use bytes stayed at
-    ~138 MB while its free bytes grew from 3 to 193 MB, none of it at the top where a trim
-    threshold applies. Called when the model goes idle, so no step pays for the page faults."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None)
-    if hasattr(libc, "malloc_trim"):  # glibc
-        libc.malloc_trim(0)

@@ -111,9 +111,10 @@ _HELP = {
     "device": "auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N",
     "context_length": "longest prompt + output in tokens (default: the model's "
     "max_position_embeddings)",
-    "max_total_tokens": "KV cache size in tokens (default: what fits in --mem-fraction-static of "
-    "the GPU; on CPU 10%% of RAM, at most 262144 tokens)",
-    "mem_fraction_static": "fraction of GPU memory for the weights and the KV cache",
+    "max_total_tokens": "KV cache size in tokens (default: what fits in --mem-fraction-static, "
+    "at most 262144 tokens on CPU)",
+    "mem_fraction_static": "GPU: fraction of its memory for the weights and the KV cache; CPU: "
+    "fraction of the memory available after loading the weights for the KV cache",
     "max_running_requests": "cap on requests running at once (default: 256, or fewer when the "
     "KV cache or --max-prefill-tokens is smaller)",
     "max_prefill_tokens": "token budget of one scheduler step: its prompt tokens plus one per "

@@ -1,6 +1,8 @@
 """The model's linear layers, three ways, taking turns in one process: F.linear (MKL's sgemm,
-the baseline), oneDNN on a weight reordered once (`PackedWeight`, what `cpu_attn` runs for more
-than SMALL_M rows) and the extension's linear_small_m (what it runs for fewer).
+the baseline), oneDNN on a weight reordered once (`PackedWeight`, what `cpu_attn` runs at every
+row count: only that copy is kept) and the extension's linear_small_m on the plain weight (what
+float32 ran for one or two rows while both copies were kept). `--rows 1,2` measures what keeping
+one copy costs those rows.
 
     python benchmarks/bench_linear.py [--rows 1,4,8,16,64,256,2048]
 

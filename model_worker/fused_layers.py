@@ -14,9 +14,10 @@ import torch
 
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.forward_batch import ForwardBatch
-from radixserve.model_worker.fused_ops import PreparedWeight, small_kernel_rows
+from radixserve.model_worker.fused_ops import small_kernel_rows
 from radixserve.model_worker.packed_linear import PackedWeight
 from radixserve.model_worker.quantization import Int8Weight
+from radixserve.model_worker.weight_format import PreparedWeight
 
 
 def linear_kernel(
@@ -30,7 +31,7 @@ def linear_kernel(
     if isinstance(weight, Int8Weight):
         return linear("int8", weight.q, weight.scale, bias, small_rows)
     if isinstance(weight, PackedWeight):
-        return linear("packed", weight.dense, weight.packed, bias, small_rows)
+        return linear("packed", weight.packed, None, bias, small_rows)
     return linear("dense", weight, None, bias, small_rows)
 
 

@@ -3,28 +3,22 @@
 `TorchOps` is eager torch, runs on every device and dtype, and is the reference. `CpuKernelOps`
 calls the CPU extension (`cpu_kernels.py`): one pass per op instead of several eager ops (a
 decode step of one sequence runs ~600 fewer ops), a linear layer for a few rows that reads
-the weights at memory speed, and oneDNN on weights reordered once (`packed_linear.py`) for more
-rows. The model runner picks one for the whole model, and converts the weights as its ops ask.
+the weights at memory speed, and oneDNN on weights reordered once (`packed_linear.py`). The model
+runner picks one for the whole model, and the linear layers keep their weights in the format its
+ops ask for (`weight_format.py`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.model_worker.packed_linear import PackedWeight, onednn_packing_available
 from radixserve.model_worker.quantization import Int8Weight, int8_small_rows
-
-# A linear weight prepared once after loading: int8, or kept in oneDNN's layout as well.
-PreparedWeight = Int8Weight | PackedWeight
+from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat
 
 # Rows up to which linear_small_m beats BLAS here (the extension's kMaxSmallM).
 SMALL_M = 8
-# Rows from which oneDNN on a reordered weight beats linear_small_m (benchmarks/bench_linear.py:
-# at 3 rows 0.50 against 0.67 ms for a layer's four projections; at 1 and 2 rows it loses).
-PACKED_MIN_ROWS = 3
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -66,9 +60,9 @@ class TorchOps:
         """Each row's argmax, int64 [N]: the greedy tokens of logits [N, V]."""
         return logits.argmax(dim=-1)
 
-    def weight_conversion(self) -> Callable[[torch.Tensor], PreparedWeight] | None:
-        """How the float weights are best kept for these ops, once loaded; None: as they are."""
-        return None
+    def weight_format(self) -> WeightFormat:
+        """How the float linear weights are best kept for these ops, once loaded."""
+        return WeightFormat.PLAIN
 
 
 class CpuKernelOps(TorchOps):
@@ -106,11 +100,9 @@ class CpuKernelOps(TorchOps):
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor | PreparedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if isinstance(weight, Int8Weight):
+        if not isinstance(weight, torch.Tensor):
             return weight.matmul(x, bias)
         small = x.shape[0] < small_kernel_rows(weight) and x.is_contiguous()
-        if isinstance(weight, PackedWeight):
-            return self._linear_small_m(x, weight.dense, bias) if small else weight.matmul(x, bias)
         return self._linear_small_m(x, weight, bias) if small else F.linear(x, weight, bias)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -120,8 +112,8 @@ class CpuKernelOps(TorchOps):
             return self._argmax_rows(logits)
         return logits.argmax(dim=-1)
 
-    def weight_conversion(self) -> Callable[[torch.Tensor], PreparedWeight] | None:
-        return PackedWeight if onednn_packing_available() else None
+    def weight_format(self) -> WeightFormat:
+        return WeightFormat.ONEDNN if onednn_packing_available() else WeightFormat.PLAIN
 
 
 def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
@@ -131,10 +123,11 @@ def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
     if isinstance(weight, Int8Weight):
         return int8_small_rows()
     if isinstance(weight, PackedWeight):
-        # bfloat16 stays on oneDNN at every row count: its rows come out the same whatever the
-        # batch, so a prompt answered from the prefix cache gets the greedy tokens it got
-        # computed whole (linear_small_m sums in another order, which bf16 rounding shows).
-        return PACKED_MIN_ROWS if weight.dense.dtype == torch.float32 else 0
+        # oneDNN at every row count: the plain weight linear_small_m reads is not kept (one copy
+        # of the weights; packed_linear.py). In bfloat16 this also keeps a row's result the same
+        # whatever the batch, so a prompt answered from the prefix cache gets the greedy tokens it
+        # got computed whole (linear_small_m sums in another order, which bf16 rounding shows).
+        return 0
     return SMALL_M + 1
 
 

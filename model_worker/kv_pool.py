@@ -2,6 +2,9 @@
 
 The scheduler's allocator decides which slots a request owns; this pool only holds the tensors.
 Slot 0 is padding: it is never handed out, so its contents are never attended to.
+The buffers are allocated, not written (torch.empty): on the CPU a page of them takes memory only
+once a token's K or V is first written there, so a pool sized for the worst case costs what is
+used. Only slot 0 is zeroed, so that a padded row reads finite numbers.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ class TokenToKVPool:
     ):
         shape = (num_slots, num_kv_heads, head_dim)
         self.num_slots = num_slots
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buffer in (*self.k_buffers, *self.v_buffers):
+            buffer[0].zero_()
 
     @staticmethod
     def bytes_per_slot(

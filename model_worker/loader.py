@@ -1,75 +1,184 @@
-"""Fill a model's parameters from the safetensors files of a HF model directory."""
+"""Fill a model's weights from the safetensors files of a HF model directory, a file at a time.
+
+Each checkpoint tensor is read with pread into a temporary holding just the rows this rank keeps,
+copied where it belongs, and dropped. The files are not memory-mapped: safetensors' safe_open
+maps a whole shard, and the pages read through that mapping count in this process's RSS until
+the shard is closed (4-5 GB at a time for an 8B model's shards); read with pread they stay in the
+page cache, which the kernel reclaims as it needs.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import math
+import os
+import struct
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from radixserve.model_worker.host_memory import release_freed_memory
 from radixserve.model_worker.layers import LoadableModule
 from radixserve.model_worker.models.base import CausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 
 class WeightLoadError(RuntimeError):
     pass
 
 
-def load_weights(model: CausalLM, model_dir: str) -> None:
-    """Copy every checkpoint tensor into this rank's shard of the parameter it maps to.
+def loadable_modules(model: CausalLM) -> dict[str, LoadableModule]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoadableModule)}
 
-    Fails, naming the weights, when a checkpoint tensor maps to no parameter or when a parameter
-    (or a piece of a fused one) is never filled.
+
+def load_weights(model: CausalLM, model_dir: str) -> None:
+    """Copy every checkpoint tensor into this rank's shard of the weights it maps to, logging a
+    line per file.
+
+    Fails, naming the weights, when a checkpoint tensor maps to no weight or when a weight (or a
+    piece of a fused one) is never filled.
     """
-    modules = {name: m for name, m in model.named_modules() if isinstance(m, LoadableModule)}
+    modules = loadable_modules(model)
     pending = {
-        (f"{module_name}.{param_name}", piece)
+        (f"{module_name}.{name}", piece)
         for module_name, module in modules.items()
-        for param_name, _ in module.named_parameters(recurse=False)
+        for name in module.loadable_names()
         for piece in range(module.num_pieces)
     }
-    param_names = {name for name, _ in pending}
+    weight_names = {name for name, _ in pending}
     unexpected: list[str] = []
-    for file in _safetensors_files(Path(model_dir)):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for ckpt_name in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                target = model.param_for_checkpoint_name(ckpt_name)
-                if target is None:
-                    continue
-                name, piece = target
-                if name not in param_names:
-                    unexpected.append(ckpt_name)
-                    continue
-                module_name, _, param_name = name.rpartition(".")
-                try:
-                    lazy = _LazyTensor(f.get_slice(ckpt_name))
-                    modules[module_name].load_weight(param_name, lazy, piece)
-                except ValueError as e:
-                    raise WeightLoadError(
-                        f"checkpoint weight {ckpt_name} ({file.name}): {e}"
-                    ) from e
-                pending.discard((name, piece))
+    files = safetensors_files(Path(model_dir))
+    started = time.monotonic()
+    for number, path in enumerate(files, 1):
+        with SafetensorsFile(path) as file:
+            logger.info(
+                "Loading weights: file %d/%d (%s, %.2f GB)",
+                number,
+                len(files),
+                path.name,
+                file.nbytes / 1e9,
+            )
+            for ckpt_name, tensor in file.tensors():
+                for name, piece in model.checkpoint_targets(ckpt_name):
+                    if name not in weight_names:
+                        unexpected.append(ckpt_name)
+                        continue
+                    module_name, _, weight_name = name.rpartition(".")
+                    try:
+                        modules[module_name].load_weight(weight_name, tensor, piece)
+                    except ValueError as e:
+                        raise WeightLoadError(
+                            f"checkpoint weight {ckpt_name} ({path.name}): {e}"
+                        ) from e
+                    pending.discard((name, piece))
+                release_freed_memory()  # this tensor's temporaries, before the next one's
     if unexpected:
         raise WeightLoadError(f"checkpoint weights the model has no place for: {unexpected}")
     if pending:
-        missing = sorted(model.checkpoint_name(name, piece) for name, piece in pending)
+        missing = sorted({model.checkpoint_name(name, piece) for name, piece in pending})
         raise WeightLoadError(f"weights missing from the checkpoint in {model_dir}: {missing}")
+    logger.info("Loaded %d weight files in %.1f s", len(files), time.monotonic() - started)
 
 
-class _LazyTensor:
-    """A checkpoint tensor read from the file only where indexed (safetensors slices)."""
+class SafetensorsFile:
+    """A safetensors file: an 8-byte little-endian header size, a JSON header naming each
+    tensor's dtype, shape and byte range, then the data."""
 
-    def __init__(self, view: Any):
-        self._view = view
-        self.shape = tuple(view.get_shape())
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            (header_size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+            if header_size > _MAX_HEADER_BYTES:
+                raise WeightLoadError(f"{path}: a header of {header_size} bytes")
+            header = json.loads(os.pread(self._fd, header_size, 8))
+        except (struct.error, ValueError) as e:
+            os.close(self._fd)
+            raise WeightLoadError(f"{path} is not a safetensors file: {e}") from e
+        header.pop("__metadata__", None)
+        self._header: dict[str, dict[str, Any]] = header
+        self._data_start = 8 + header_size
+        self.nbytes = sum(
+            end - begin for begin, end in (t["data_offsets"] for t in header.values())
+        )
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+    def tensors(self) -> list[tuple[str, FileTensor]]:
+        """Every tensor, lazily, in the order of the file."""
+        entries = sorted(self._header.items(), key=lambda item: item[1]["data_offsets"][0])
+        tensors = []
+        for name, entry in entries:
+            if entry["dtype"] not in _DTYPES:
+                raise WeightLoadError(f"{self.path}: {name} has dtype {entry['dtype']}")
+            begin, _ = entry["data_offsets"]
+            dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
+            tensors.append((name, FileTensor(self._fd, self._data_start + begin, dtype, shape)))
+        return tensors
+
+
+class FileTensor:
+    """A checkpoint tensor read from its file only where indexed: `t[a:b]` reads rows a to b,
+    `t[:, a:b]` reads every row (then keeps columns a to b)."""
+
+    def __init__(self, fd: int, offset: int, dtype: torch.dtype, shape: tuple[int, ...]):
+        self._fd = fd
+        self._offset = offset
+        self.dtype = dtype
+        self.shape = shape
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        return self._view[index]
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        if not self.shape:  # a scalar
+            return self._read(0, 1).reshape(())[rest]
+        if not isinstance(rows, slice):
+            raise TypeError(f"rows of a checkpoint tensor are read by slice, not {rows!r}")
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise TypeError("rows of a checkpoint tensor are read in one run")
+        count = max(0, stop - start)
+        row_elements = math.prod(self.shape[1:])
+        tensor = self._read(start * row_elements, count * row_elements)
+        tensor = tensor.reshape(count, *self.shape[1:])
+        return tensor[(slice(None),) + tuple(rest)] if rest else tensor
+
+    def _read(self, first: int, count: int) -> torch.Tensor:
+        """Elements first..first+count of the flat tensor."""
+        out = torch.empty(count, dtype=self.dtype)
+        buffer = memoryview(out.view(torch.uint8).numpy())  # type: ignore[arg-type]
+        position = self._offset + first * self.dtype.itemsize
+        done = 0
+        while done < len(buffer):  # one pread returns at most ~2 GB
+            got = os.preadv(self._fd, [buffer[done:]], position + done)
+            if got == 0:
+                raise WeightLoadError("a checkpoint file ends inside a tensor")
+            done += got
+        return out
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]

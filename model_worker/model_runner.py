@@ -3,29 +3,33 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
 from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
 from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.host_memory import meminfo_bytes
 from radixserve.model_worker.kernel_selection import select_kernels
 from radixserve.model_worker.kv_pool import TokenToKVPool
-from radixserve.model_worker.loader import load_weights
+from radixserve.model_worker.loader import load_weights, loadable_modules
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.models import get_model_class
 from radixserve.model_worker.parallel import TPGroup
-from radixserve.model_worker.quantization import Int8Weight, check_quantization
+from radixserve.model_worker.quantization import check_quantization
 from radixserve.model_worker.sampler import Sampler
+from radixserve.model_worker.weight_format import WeightFormat, tensor_address
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_MEMORY_FRACTION = 0.10  # of MemTotal: the CPU is shared with the other processes
 CPU_MAX_KV_TOKENS = 256 * 1024
 
 
 # Prompt rows whose logits are computed at once: 256 x a 150k vocabulary is 150 MB of float32.
 PROMPT_LOGPROB_BLOCK = 256
+
+
+class NotEnoughMemory(RuntimeError):
+    pass
 
 
 class ModelRunner:
@@ -53,19 +57,23 @@ class ModelRunner:
         kernels = select_kernels(attention_backend, num_heads, num_kv_heads, device, dtype)
         self.attention_backend = kernels.name
         self.attn_backend = kernels.attn_backend
+        self.quantization = quantization
+        weight_format = kernels.ops.weight_format()
+        if quantization == "int8":
+            weight_format = WeightFormat.INT8
         self.model = get_model_class(config.architecture)(
             config,
             tp=tp,
             attn_backend=kernels.attn_backend,
             ops=kernels.ops,
+            weight_format=weight_format,
             dtype=dtype,
             device=device,
         )
+        weight_bytes = sum(m.planned_bytes() for m in loadable_modules(self.model).values())
+        if device.type == "cpu":
+            _check_weights_fit(weight_bytes, weight_format, dtype)
         load_weights(self.model, model_path)
-        self.quantization = quantization
-        convert = Int8Weight if quantization == "int8" else kernels.ops.weight_conversion()
-        if convert is not None:
-            self.model.convert_linear_weights(convert)
         # The fused layers call paged_attention themselves, and have no all-reduce between a
         # layer's matmuls.
         fusable = fused_layers and kernels.name == "cpu_attn" and tp.size == 1
@@ -89,7 +97,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, argmax=kernels.ops.argmax)
         logger.info(
             "Loaded %s (%s, %s, attention backend %s, quantization %s, fused layers %s, "
-            "TP rank %d/%d): KV pool of %d tokens, %.2f GB",
+            "TP rank %d/%d): weights %.2f GB, KV pool of %d tokens, %.2f GB (its pages taken "
+            "as they are first written)",
             config.architecture,
             dtype,
             device,
@@ -98,6 +107,7 @@ class ModelRunner:
             self.fused_layers,
             tp.rank,
             tp.size,
+            weight_bytes / 1e9,
             self.max_total_tokens,
             self.max_total_tokens * kv_slot_bytes / 1e9,
         )
@@ -152,11 +162,20 @@ class ModelRunner:
         out.prompt_top_logprobs = torch.cat(top_values)
         out.prompt_top_logprob_ids = torch.cat(top_ids)
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """One tensor per copy of weights in memory: the model's and its kernels' (a tensor
+        held twice, or two views of one buffer, counts once)."""
+        unique = {}
+        for module in loadable_modules(self.model).values():
+            for tensor in module.held_tensors():
+                unique[tensor_address(tensor)] = tensor
+        return list(unique.values())
+
     def _kv_tokens_that_fit(self, kv_slot_bytes: int, mem_fraction_static: float) -> int:
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             free, _ = torch.cuda.mem_get_info(self.device)
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            weights = sum(t.nbytes for t in self.weight_tensors())
             budget = total * mem_fraction_static - weights
             if budget > free:  # another process holds part of the GPU
                 raise RuntimeError(
@@ -166,8 +185,10 @@ class ModelRunner:
                 )
             tokens = int(budget // kv_slot_bytes)
         else:
-            tokens = int(_mem_total_bytes() * CPU_KV_MEMORY_FRACTION // kv_slot_bytes)
-            tokens = min(tokens, CPU_MAX_KV_TOKENS)
+            # The CPU's memory is shared with every other process: the fraction is of what is
+            # available now that the weights are in.
+            budget = meminfo_bytes("MemAvailable") * mem_fraction_static
+            tokens = min(int(budget // kv_slot_bytes), CPU_MAX_KV_TOKENS)
         if tokens < 1:
             raise RuntimeError(
                 "no memory left for the KV cache after the weights: raise "
@@ -176,8 +197,11 @@ class ModelRunner:
         return tokens
 
 
-def _mem_total_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError("MemTotal not found in /proc/meminfo")
+def _check_weights_fit(weight_bytes: int, weight_format: WeightFormat, dtype: torch.dtype) -> None:
+    available = meminfo_bytes("MemAvailable")
+    if weight_bytes > available:
+        form = "int8 linear layers" if weight_format is WeightFormat.INT8 else str(dtype)
+        raise NotEnoughMemory(
+            f"the weights take {weight_bytes / 1e9:.2f} GB ({form}) but only "
+            f"{available / 1e9:.2f} GB of memory is available"
+        )

@@ -1,13 +1,13 @@
 """`--quantization int8`: int8 weights, activations quantized per token at run time (w8a8 int8,
 as SGLang's and vLLM's `w8a8_int8`), with exact int32 dot products.
 
-Weights are quantized once after loading, symmetrically per output channel; each token's
-activations symmetrically on its own max |x|, with 8 bits, so a token's result does not depend
-on what else is in the batch. The CPU extension quantizes the activations and rescales the
-products. The products run in its `int8_linear` (each weight byte read once per block of 8
-rows), or, for more rows on CPUs with VNNI or AMX, in oneDNN through `torch._int_mm`. Without
-VNNI oneDNN's u8 x s8 pair sums saturate (measured: inexact on random int8 data), so there the
-extension's kernel takes every batch size. Both round the same way: the path does not change
+Weights are quantized as they are loaded, a layer at a time, symmetrically per output channel;
+each token's activations symmetrically on its own max |x|, with 8 bits, so a token's result does
+not depend on what else is in the batch. The CPU extension quantizes the activations and
+rescales the products. The products run in its `int8_linear` (each weight byte read once per
+block of 8 rows), or, for more rows on CPUs with VNNI or AMX, in oneDNN through `torch._int_mm`.
+Without VNNI oneDNN's u8 x s8 pair sums saturate (measured: inexact on random int8 data), so there
+the extension's kernel takes every batch size. Both round the same way: the path does not change
 a result.
 """
 
@@ -25,6 +25,7 @@ QUANTIZATION_METHODS = ("int8",)
 
 # Rows from which oneDNN's int8 matmul beats int8_linear here (see benchmarks/RESULTS.md).
 INT8_GEMM_MIN_ROWS = 9
+_QUANTIZE_ROWS = 1024
 
 
 def onednn_int8_is_exact() -> bool:
@@ -43,21 +44,44 @@ class Int8Weight:
     """A linear layer's weight [N, K]: int8, one scale per output channel."""
 
     def __init__(self, weight: torch.Tensor):
-        if weight.device.type != "cpu":
+        self._allocate(weight.shape[0], weight.shape[1], weight.device)
+        self.quantize_rows(0, weight)
+
+    @classmethod
+    def empty(cls, rows: int, cols: int, device: torch.device) -> Int8Weight:
+        """To be filled by quantize_rows, as the loader reads the rows."""
+        weight = cls.__new__(cls)
+        weight._allocate(rows, cols, device)
+        return weight
+
+    def _allocate(self, rows: int, cols: int, device: torch.device) -> None:
+        if device.type != "cpu":
             raise ValueError("--quantization int8 runs on the CPU only")
         load_cpu_kernels()  # its ops quantize, multiply and rescale
-        weight = weight.detach().float()
-        scale = weight.abs().amax(dim=1) / 127
-        # A row whose scale is zero or subnormal (1/scale would be infinite) stays zero: its
-        # weights are below any float32 normal number, nothing an output could show.
-        normal = scale >= torch.finfo(torch.float32).tiny
-        self.scale = torch.where(normal, scale, 0).contiguous()
-        quotient = weight / torch.where(normal, scale, 1)[:, None]
-        # [-127, 127]: the kernels negate weights and activations, which -128 cannot survive.
-        q = torch.round(quotient).clamp_(-127, 127) * normal[:, None]
-        self.q = q.to(torch.int8).contiguous()
-        self.shape = tuple(weight.shape)
+        self.q = torch.empty(rows, cols, dtype=torch.int8)
+        self.scale = torch.empty(rows, dtype=torch.float32)
+        self.shape = (rows, cols)
         self.nbytes = self.q.numel() + 4 * self.scale.numel()
+
+    def quantize_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Rows start.. from float values, each on its own max |w|."""
+        # A block of rows at a time: its float32 temporaries stay small beside an 8B model.
+        for begin in range(0, rows.shape[0], _QUANTIZE_ROWS):
+            block = rows[begin : begin + _QUANTIZE_ROWS].detach().float()
+            scale = block.abs().amax(dim=1) / 127
+            # A row whose scale is zero or subnormal (1/scale would be infinite) stays zero: its
+            # weights are below any float32 normal number, nothing an output could show.
+            normal = scale >= torch.finfo(torch.float32).tiny
+            inverse = torch.where(normal, 1 / scale, 0)
+            at = start + begin
+            # [-127, 127]: the kernels negate weights and activations, which -128 cannot survive.
+            q = torch.round(block * inverse[:, None]).clamp_(-127, 127)
+            self.q[at : at + block.shape[0]] = q
+            self.scale[at : at + block.shape[0]] = torch.where(normal, scale, 0)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What it holds in memory."""
+        return (self.q, self.scale)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 -> x W^T + bias [M, N] float32."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from radixserve.model_worker.loader import WeightLoadError
+from radixserve.model_worker.loader import SafetensorsFile, WeightLoadError
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.parallel import TPGroup
 
@@ -48,3 +48,24 @@ def test_wrong_shape_is_named(tiny_model) -> None:
     rewrite(path, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
     with pytest.raises(WeightLoadError, match=r"model\.norm\.weight"):
         load(path)
+
+
+def test_file_tensors_read_what_safetensors_reads(tmp_path: Path) -> None:
+    """The loader's own reader (pread, only the rows asked for) against safetensors' across
+    dtypes, row and column slices, and a tensor after others in the file."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(5, 7, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(11, 3, generator=gen),
+        "c": torch.arange(6, dtype=torch.int64),
+    }
+    save_file(tensors, tmp_path / "x.safetensors")
+    with SafetensorsFile(tmp_path / "x.safetensors") as file:
+        read = dict(file.tensors())
+        assert file.nbytes == sum(t.nbytes for t in tensors.values())
+        for name, expected in tensors.items():
+            assert read[name].shape == tuple(expected.shape)
+            assert torch.equal(read[name][:], expected)
+            assert torch.equal(read[name][1:4], expected[1:4])
+        assert torch.equal(read["b"][:, 1:3], tensors["b"][:, 1:3])
+        assert read["a"][2:2].shape == (0, 7)

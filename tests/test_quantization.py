@@ -133,7 +133,7 @@ def test_int8_model_quantizes_every_linear_and_the_head(tiny_model) -> None:
     kinds = ColumnParallelLinear | RowParallelLinear
     linears = [m for m in model.modules() if isinstance(m, kinds)]
     assert linears and all(isinstance(m.weight, Int8Weight) for m in linears)
-    assert isinstance(model.lm_head.head_weight, Int8Weight)
+    assert isinstance(model.lm_head.weight, Int8Weight)
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup stays float
     logits = {q: r.forward_logits(_one_prompt_batch(6)) for q, r in runners.items()}
     ref, got = logits[None], logits["int8"]

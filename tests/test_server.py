@@ -14,7 +14,7 @@ from radixserve.client.local_server import launched_server, raw_round_trip
 from radixserve.model_worker.model_source import default_model_dir
 
 # Two servers run at once in this module: on a GPU each takes a third of it instead of the
-# default 85%, or the second would not fit (a CPU ignores the flag).
+# default 85%, or the second would not fit (on a CPU: their KV pools, a share of the free memory).
 GPU_SHARE = ("--mem-fraction-static", "0.3")
 
 PROMPTS = [

@@ -13,7 +13,7 @@ from radixserve.client.local_server import launched_server
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 # Two servers run at once in this module: on a GPU each takes a third of it instead of the
-# default 85%, or the second would not fit (a CPU ignores the flag).
+# default 85%, or the second would not fit (on a CPU: their KV pools, a share of the free memory).
 GPU_SHARE = ("--mem-fraction-static", "0.3")
 
 

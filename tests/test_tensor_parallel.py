@@ -15,11 +15,13 @@ from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.fused_ops import TorchOps
 from radixserve.model_worker.layers import (
     ColumnParallelLinear,
+    ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.parallel import TPGroup
+from radixserve.model_worker.weight_format import WeightFormat
 
 TP = 2
 TOLERANCE = 1e-4
@@ -72,6 +74,7 @@ def layer_errors(tp: TPGroup) -> dict[str, float]:
     holds 2 query heads and a replica of the KV head."""
     gen = torch.Generator().manual_seed(1)
     ops, f32, cpu = TorchOps(), torch.float32, torch.device("cpu")
+    PLAIN = WeightFormat.PLAIN
     x = torch.randn(5, 32, generator=gen)
     errors = {}
 
@@ -86,6 +89,7 @@ def layer_errors(tp: TPGroup) -> dict[str, float]:
         bias=False,
         tp=tp,
         ops=ops,
+        weight_format=PLAIN,
         dtype=f32,
         device=cpu,
         shards=shards,
@@ -96,18 +100,22 @@ def layer_errors(tp: TPGroup) -> dict[str, float]:
     errors["qkv with replicated KV heads"] = (qkv(x) - expected).abs().max().item()
 
     w, b = torch.randn(24, 32, generator=gen), torch.randn(24, generator=gen)
-    row = RowParallelLinear(32, 24, bias=True, tp=tp, ops=ops, dtype=f32, device=cpu)
+    row = RowParallelLinear(
+        32, 24, bias=True, tp=tp, ops=ops, weight_format=PLAIN, dtype=f32, device=cpu
+    )
     row.load_weight("weight", w)
     row.load_weight("bias", b)
     start, n = tp.shard(32, "input")
     errors["row parallel"] = (row(x[:, start : start + n]) - (x @ w.T + b)).abs().max().item()
 
     table = torch.randn(255, 32, generator=gen)  # 255 rows: the last rank's shard is padded
-    embed = VocabParallelEmbedding(255, 32, tp=tp, ops=ops, dtype=f32, device=cpu)
+    embed = VocabParallelEmbedding(255, 32, tp=tp, dtype=f32, device=cpu)
     embed.load_weight("weight", table)
+    head = ParallelLMHead(255, 32, tp=tp, ops=ops, weight_format=PLAIN, dtype=f32, device=cpu)
+    head.load_weight("weight", table)
     ids = torch.tensor([0, 127, 128, 254, 3])
     errors["vocab embedding"] = (embed(ids) - table[ids]).abs().max().item()
-    errors["vocab logits"] = (embed.compute_logits(x) - x @ table.T).abs().max().item()
+    errors["vocab logits"] = (head.compute_logits(x) - x @ table.T).abs().max().item()
     return errors
 
 

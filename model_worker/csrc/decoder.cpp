@@ -33,8 +33,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 // constants its own path uses (fused_layers.py), so both pick the same kernel for a row count.
 class Linear : public torch::CustomClassHolder {
  public:
-  // kind "dense": `weight` float; "packed": `weight` float and `aux` its oneDNN copy; "int8":
-  // `weight` int8 and `aux` its per-channel scales.
+  // kind "dense": `weight` float; "packed": `weight` reordered for oneDNN (no plain copy is
+  // kept: oneDNN at every row count); "int8": `weight` int8 and `aux` its per-channel scales.
   Linear(const std::string& kind, at::Tensor weight, c10::optional<at::Tensor> aux,
          c10::optional<at::Tensor> bias, int64_t small_rows)
       : weight_(std::move(weight)), bias_(std::move(bias)), small_rows_(small_rows) {
@@ -47,10 +47,10 @@ class Linear : public torch::CustomClassHolder {
     } else {
       TORCH_CHECK(false, "Linear: unknown kind ", kind);
     }
-    TORCH_CHECK(aux.has_value() == (kind_ != Kind::kDense), "Linear: kind ", kind,
+    TORCH_CHECK(aux.has_value() == (kind_ == Kind::kInt8), "Linear: kind ", kind,
                 aux.has_value() ? " takes no aux" : " needs aux");
     if (aux.has_value()) aux_ = *aux;
-    TORCH_CHECK(kind_ == Kind::kInt8 || small_rows_ <= kMaxSmallM + 1,
+    TORCH_CHECK(kind_ != Kind::kDense || small_rows_ <= kMaxSmallM + 1,
                 "Linear: linear_small_m takes at most ", kMaxSmallM, " rows");
   }
 
@@ -61,7 +61,7 @@ class Linear : public torch::CustomClassHolder {
       case Kind::kDense:
         return small ? linear_small_m(x, weight_, bias_) : at::linear(x, weight_, bias_);
       case Kind::kPacked:
-        return small ? linear_small_m(x, weight_, bias_) : onednn_linear(x, aux_, bias_);
+        return onednn_linear(x, weight_, bias_);
       case Kind::kInt8: {
         if (small) return int8_linear(x, weight_, aux_, bias_);
         auto [xq, x_scale] = quantize_rows_int8(x);

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from radixserve.model_worker.forward_batch import ForwardBatch
-from radixserve.model_worker.layers import WeightConversion
 
 
 class CausalLM(nn.Module, ABC):
@@ -23,16 +22,13 @@ class CausalLM(nn.Module, ABC):
         """float32 logits [N, vocab_size] of the given rows only."""
 
     @abstractmethod
-    def convert_linear_weights(self, convert: WeightConversion) -> None:
-        """Replace every linear layer's weight, and the LM head's, by `convert` of it."""
-
-    @abstractmethod
-    def param_for_checkpoint_name(self, name: str) -> tuple[str, int] | None:
-        """Our parameter, and the piece of it, that a checkpoint tensor fills; None to skip it."""
+    def checkpoint_targets(self, name: str) -> list[tuple[str, int]]:
+        """The weights (module.name) of ours, and the piece of each, that a checkpoint tensor
+        fills: none to skip it, two for a tied embedding and LM head."""
 
     @abstractmethod
     def checkpoint_name(self, param: str, piece: int) -> str:
-        """The inverse of param_for_checkpoint_name, for error messages."""
+        """The checkpoint tensor that fills a piece of our weight, for error messages."""
 
     def fuse_layers(self) -> bool:
         """From now on run the decoder layers in one call of the CPU extension (cpu_attn on one
