@@ -237,6 +237,13 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     # Twice the heartbeat interval (process_setup.HEARTBEAT_INTERVAL_S): a live child beats
     # at least once per timeout.
     "watchdog_timeout": (1.0, None),
+    "max_pending_requests": (1, None),
+    "max_pending_bytes": (1024, None),
+    "max_pending_requests_per_client": (1, None),
+    "max_pending_bytes_per_client": (1024, None),
+    "cache_threshold": (0.0, 1.0),
+    "balance_abs_threshold": (0, None),
+    "balance_rel_threshold": (1.0, None),
     "shutdown_timeout": (0.0, None),
 }
 

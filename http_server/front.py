@@ -109,10 +109,10 @@ class Front:
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
-        # Its bytes count against the intake's caps while it is read: the declared length at
-        # once, or each chunk as it comes.
+        # Its bytes count against the intake's caps as they arrive: a declared length alone
+        # (a client that then sends nothing) must not hold room that others are refused for.
         try:
-            ticket = self.manager.intake.take(_client_address(request), int(declared or 0))
+            ticket = self.manager.intake.take(_client_address(request), 0)
             chunks, size = [], 0
             try:
                 async for chunk in request.stream():
@@ -121,8 +121,7 @@ class Front:
                         raise HttpError(
                             "too_large", f"request body over {self.max_body_bytes} bytes"
                         )
-                    if declared is None:
-                        ticket.grow(len(chunk))
+                    ticket.grow(len(chunk))
                     chunks.append(chunk)
                 return b"".join(chunks)
             finally:

@@ -70,7 +70,9 @@ class _Choices:
             text = (self._echo(reply) if first else "") + reply.text
             return out.choice(reply, self.n, {"text": text}, logprobs, reason)
         index = out.choice_index(reply, self.n)
-        output = self.outputs.setdefault(index, self.chat_output())
+        output = self.outputs.get(index)
+        if output is None:
+            output = self.outputs[index] = self.chat_output()
         delta = output.delta(reply.text, reply.finished)
         if first:
             delta = {"role": "assistant", **delta}
@@ -119,9 +121,7 @@ class OpenAIApi:
             return await tokenization.input_ids_async(GenerateRequest(text=text, input_ids=ids))
 
         prompt_ids = await _tokenized(asyncio.gather(*map(ids, prompts)))
-        generates, sent = _checked(
-            protocol.completion_generates, req, prompt_ids, self.context_length
-        )
+        generates, sent = _checked(protocol.completion_generates, req, prompt_ids, self._limits())
         echoes = None
         if req.echo:
             echoes = await asyncio.gather(
@@ -141,11 +141,18 @@ class OpenAIApi:
         tools = protocol.template_tools(req)
         tokenization = self.front.manager.tokenization
         input_ids = await _tokenized(tokenization.chat_ids_async(messages, tools, kwargs))
-        generate, sent = _checked(protocol.chat_generate, req, input_ids, self.context_length)
-        reasoning = self.reasoning_parser if req.separate_reasoning else None
+        generate, sent = _checked(protocol.chat_generate, req, input_ids, self._limits())
+        # A grammar writes the output (response_format, regex, a forced call): no thinking part
+        # to split off, and a parser that waits for </think> would take all of it.
+        constrained = generate.sampling_params.grammar is not None
+        reasoning = self.reasoning_parser if req.separate_reasoning and not constrained else None
         tools = self._tool_calls(req)
         choices = _Choices(req.n, None, lambda: ChatOutput(reasoning, tools()))
         return await self._respond(request, req, [generate], sent, choices)
+
+    def _limits(self) -> tuple[int, int]:
+        """(context length, the KV pool's tokens): what an output's length must fit."""
+        return self.context_length, self.front.manager.kv_tokens
 
     def _tool_calls(self, req: ChatCompletionRequest) -> Callable[[], ToolCallParser | None]:
         """What reads each choice's tool calls: the forced call's JSON when tool_choice forces

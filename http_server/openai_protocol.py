@@ -7,6 +7,8 @@ field, or a value out of its range, is refused with a message naming it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -163,8 +165,22 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-# Arguments apply_chat_template takes itself: a request's chat_template_kwargs cannot set them.
-_TEMPLATE_OWN = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt"}
+# chat_template_kwargs: variables for the template, plain values only (a template of the
+# client's own, or a tokenizer option, would run through apply_chat_template's own arguments).
+TemplateKwargs = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=64)], str | int | float | bool | None],
+    msgspec.Meta(max_length=32),
+]
+
+
+@functools.cache
+def _template_own_arguments() -> frozenset[str]:
+    """The arguments apply_chat_template takes itself (chat_template, tokenize, ...): a
+    request's chat_template_kwargs cannot set them."""
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(name for name, p in parameters.items() if p.kind != p.VAR_KEYWORD)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -176,7 +192,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # SGLang's and vLLM's extras.
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart
 
     @property
@@ -240,13 +256,16 @@ def check_token_ids(req: _OpenAIRequest, vocab_size: int) -> None:
             raise BadField(field, f"{field} holds {bad}, outside the vocabulary [0, {vocab_size})")
 
 
-def max_new_tokens(requested: int | None, default: int | None, prompt: int, context: int) -> int:
+def max_new_tokens(
+    requested: int | None, default: int | None, prompt: int, limits: tuple[int, int]
+) -> int:
     """The output's length limit: max_tokens when given, and then prompt + it must fit the
-    context (a 400, as vLLM's); else `default`, else what the context leaves (as vLLM and
-    SGLang do for chat)."""
+    context (a 400, as vLLM's); else `default`, else what the context and the KV pool leave (as
+    vLLM and SGLang do for chat). `limits`: (context length, KV pool tokens)."""
+    context, kv_tokens = limits
     room = max(context - prompt, 0)  # none: the scheduler refuses the prompt (too_long)
     if requested is None:
-        return room if default is None else default
+        return max(min(context, kv_tokens) - prompt, 0) if default is None else default
     if requested > room:
         raise BadField(
             "max_tokens",
@@ -304,18 +323,18 @@ def forced_tool_schema(req: ChatCompletionRequest) -> str | None:
         return None
     functions = {tool.function.name: tool.function.parameters for tool in req.tools or []}
     name = None if isinstance(choice, str) else choice.function.name
-    return tool_call_schema(functions, name)
+    return tool_call_schema(functions, name, parallel=req.parallel_tool_calls is not False)
 
 
 def completion_generates(
-    req: CompletionRequest, prompt_ids: list[list[int]], context_len: int
+    req: CompletionRequest, prompt_ids: list[list[int]], limits: tuple[int, int]
 ) -> tuple[list[GenerateRequest], set]:
     """One generate per prompt (its ids tokenized already)."""
     top = _logprobs_count("logprobs", req.logprobs)
     generates: list[GenerateRequest] = []
     sent: set[str] = set()
     for i, ids in enumerate(prompt_ids):
-        limit = max_new_tokens(req.max_tokens, COMPLETIONS_MAX_TOKENS, len(ids), context_len)
+        limit = max_new_tokens(req.max_tokens, COMPLETIONS_MAX_TOKENS, len(ids), limits)
         params, sent = sampling_params(req, limit)
         generate = GenerateRequest(
             rid=str(i),
@@ -332,13 +351,13 @@ def completion_generates(
 
 
 def chat_generate(
-    req: ChatCompletionRequest, input_ids: list[int], context_len: int
+    req: ChatCompletionRequest, input_ids: list[int], limits: tuple[int, int]
 ) -> tuple[GenerateRequest, set]:
     top = _logprobs_count("top_logprobs", req.top_logprobs)
     if top and not req.logprobs:
         raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
     requested = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-    limit = max_new_tokens(requested, None, len(input_ids), context_len)
+    limit = max_new_tokens(requested, None, len(input_ids), limits)
     params, sent = sampling_params(req, limit)
     generate = GenerateRequest(
         rid="0",
@@ -410,7 +429,7 @@ def template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     kwargs = req.chat_template_kwargs or {}
-    clash = sorted(_TEMPLATE_OWN & kwargs.keys())
+    clash = sorted(_template_own_arguments() & kwargs.keys())
     if clash:
         raise BadField("chat_template_kwargs", f"chat_template_kwargs cannot set {clash[0]}")
     return kwargs

@@ -17,10 +17,13 @@ from typing import Any
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def tool_call_schema(functions: dict[str, dict[str, Any] | None], choice: str | None) -> str:
+def tool_call_schema(
+    functions: dict[str, dict[str, Any] | None], choice: str | None, parallel: bool = True
+) -> str:
     """The JSON schema (text) of the output for the tools' functions (name -> parameters schema,
-    in order) when `choice` names one of them, or for "required" when it is None. ValueError
-    names the field when the named function is not among the tools."""
+    in order) when `choice` names one of them, or for "required" when it is None: one call
+    unless `parallel` (OpenAI's parallel_tool_calls). ValueError names the field when the named
+    function is not among the tools."""
     if not functions:
         raise ValueError("tool_choice: 'required' and a named function need tools")
     if choice is not None:
@@ -39,7 +42,9 @@ def tool_call_schema(functions: dict[str, dict[str, Any] | None], choice: str | 
         }
         for name, parameters in functions.items()
     ]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
     return json.dumps(schema)
 
 

@@ -157,9 +157,11 @@ class ModelInfoOut(_Msg, tag="model_info_out"):
 
 class SchedulerReady(_Msg, tag="ready"):
     """A replica's model is loaded and its scheduler serves: the tokenizer manager takes
-    generates once every replica has said so."""
+    generates once every replica has said so. `max_total_tokens`: its KV pool, the most a
+    request (prompt and output) can ever hold."""
 
     dp_rank: int
+    max_total_tokens: int
 
 
 class ReplicaLoad(_Msg, tag="load"):

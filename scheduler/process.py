@@ -258,7 +258,7 @@ class SchedulerProcess:
     def announce_ready(self) -> None:
         """Tell the tokenizer manager this replica serves: until every replica has, it refuses
         generates and control queries with `not_ready` rather than hold them."""
-        self._reply(SchedulerReady(self.dp_rank))
+        self._reply(SchedulerReady(self.dp_rank, self.scheduler.config.max_total_tokens))
 
     def _reply(self, msg: msgspec.Struct) -> None:
         self.send_to_tokenizer.send(self.codec.encode(msg))

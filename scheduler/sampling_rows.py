@@ -69,7 +69,7 @@ class SamplingRows:
             penalty_tokens=_penalty_tokens(reqs, flags[2]) if flags[2].any() else None,
             is_all_greedy=bool(flags[3].all()),
             any_logprob=bool(flags[1].any()),
-            logit_bias=_logit_bias(reqs, flags[4], output_index) if flags[4].any() else None,
+            logit_bias=_logit_bias(reqs, flags[4], output_index),
         )
 
 
@@ -86,10 +86,14 @@ def _penalty_tokens(reqs: list[Req], penalised: np.ndarray) -> PenaltyTokens:
     return penalty_tokens(indices, seen, future_ids)
 
 
-def _logit_bias(reqs: list[Req], biased: np.ndarray, output_index: torch.Tensor) -> LogitBias:
+def _logit_bias(
+    reqs: list[Req], biased: np.ndarray, output_index: torch.Tensor
+) -> LogitBias | None:
     """The biases of the requests whose `biased` flag is set: their logit_bias, and -inf on
     their stop tokens (EOS unless ignore_eos, and stop_token_ids) for a row that samples an
-    output before min_new_tokens."""
+    output before min_new_tokens, unless a grammar decides where it ends (its mask may allow
+    nothing but EOS: masked too, the row would have no token left). None: no entry, so the
+    sampler keeps its fast paths once every minimum is reached."""
     rows: list[int] = []
     token_ids: list[int] = []
     biases: list[float] = []
@@ -99,10 +103,12 @@ def _logit_bias(reqs: list[Req], biased: np.ndarray, output_index: torch.Tensor)
         rows += [i] * len(params.logit_bias)
         token_ids += params.logit_bias.keys()
         biases += params.logit_bias.values()
-        if int(output_index[i]) < params.min_new_tokens:
+        if int(output_index[i]) < params.min_new_tokens and req.grammar is None:
             rows += [i] * len(req.stop_token_ids)
             token_ids += req.stop_token_ids
             biases += [float("-inf")] * len(req.stop_token_ids)
+    if not rows:
+        return None
     return LogitBias(
         torch.tensor(rows, dtype=torch.int64),
         torch.tensor(token_ids, dtype=torch.int64),

@@ -151,6 +151,10 @@ def test_every_number_is_checked_before_anything_starts(capsys: pytest.CaptureFi
         ("--max-queued-requests", "0"): "--max-queued-requests must be at least 1",
         ("--dp-size", "0"): "--dp-size must be at least 1",
         ("--api-key", ""): "--api-key must have 1 to",
+        ("--max-pending-requests", "-5"): "--max-pending-requests must be at least 1",
+        ("--max-pending-bytes-per-client", "-1"): "--max-pending-bytes-per-client must be at",
+        ("--cache-threshold", "nan"): "--cache-threshold must be a finite number",
+        ("--balance-rel-threshold", "0.5"): "--balance-rel-threshold must be at least 1.0",
     }
     for argv, message in wrong.items():
         assert message in refusal(capsys, *argv), argv

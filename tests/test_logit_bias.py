@@ -81,6 +81,8 @@ def test_the_scheduler_masks_stop_tokens_until_min_new_tokens_and_carries_logit_
                 got.setdefault(batch.reqs[row].rid, {})[token] = value
             again = decode_batch(encode_batch(sent)).sampling.logit_bias
             assert again is not None and torch.equal(again.biases, entries.biases)
+        # A step with no entry ships none: the sampler's fast paths stay open.
+        assert (entries is None) == (not got)
         for i, req in enumerate(batch.reqs):
             index = int(batch.columns[3][i])
             if req.rid == "min":

@@ -89,3 +89,48 @@ def test_the_chat_request_maps_tool_choice_to_one_json_schema() -> None:
         )
     with pytest.raises(ValueError, match="need tools"):
         grammar_params(decode(tool_choice="required"))
+
+
+def test_parallel_tool_calls_false_allows_one_call(compiler) -> None:
+    one = [{"name": "ping", "parameters": {}}]
+    two = [*one, {"name": "ping", "parameters": {}}]
+    schema = tool_call_schema(FUNCTIONS, None, parallel=False)
+    assert accepts(compiler, schema, one) and not accepts(compiler, schema, two)
+    assert accepts(compiler, tool_call_schema(FUNCTIONS, None), two)
+
+
+def test_a_forced_call_comes_back_as_tool_calls_whatever_the_reasoning_parser() -> None:
+    """The grammar's JSON is read back as tool_calls; with a reasoning parser built anyway (the
+    API builds none for a constrained request), deepseek-r1's would take the whole output."""
+    from radixserve.http_server.chat_output import ChatOutput
+    from radixserve.http_server.tool_parser import ForcedCalls
+
+    output = ChatOutput(None, ForcedCalls("get_weather"))
+    streamed = [output.delta(piece, False) for piece in ('{"city": "Pa', 'ris", "unit": "c"}')]
+    last = output.delta("", True)
+    assert all("content" not in d and "tool_calls" not in d for d in streamed)
+    (call,) = last["tool_calls"][:1]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    assert json.loads(last["tool_calls"][1]["function"]["arguments"]) == {
+        "city": "Paris",
+        "unit": "c",
+    }
+    assert output.finish_reason("stop") == "tool_calls"
+    swallowed = ChatOutput("deepseek-r1", ForcedCalls("get_weather")).message('{"city": "Paris"}')
+    assert "tool_calls" not in swallowed  # why openai_api drops the reasoning parser here
+
+
+def test_chat_template_kwargs_are_plain_variables_only() -> None:
+    from radixserve.http_server.openai_protocol import BadField, template_kwargs
+
+    def decode(kwargs: object) -> ChatCompletionRequest:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        body["chat_template_kwargs"] = kwargs
+        return msgspec.json.decode(msgspec.json.encode(body), type=ChatCompletionRequest)
+
+    assert template_kwargs(decode({"enable_thinking": False})) == {"enable_thinking": False}
+    for own in ("chat_template", "tokenizer_kwargs", "documents", "return_dict", "tokenize"):
+        with pytest.raises(BadField, match=own):
+            template_kwargs(decode({own: "{{ 'x' * 10 }}"}))
+    with pytest.raises(msgspec.ValidationError):
+        decode({"enable_thinking": {"nested": "object"}})

@@ -47,7 +47,7 @@ class Harness:
 
     async def announce_ready(self) -> None:
         """What the scheduler sends once its model is loaded; back once the manager has it."""
-        await self.backend.send(msgspec.msgpack.encode(SchedulerReady(0)))
+        await self.backend.send(msgspec.msgpack.encode(SchedulerReady(0, max_total_tokens=1 << 20)))
         while not self.manager.ready:
             await asyncio.sleep(0.01)
 

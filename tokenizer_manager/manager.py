@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Hashable
 from typing import Any
@@ -108,6 +109,8 @@ class TokenizerManager:
         self.query_ids = itertools.count()
         self.metrics = Metrics()
         self.replicas_ready: set[int] = set()  # until all are, requests get `not_ready`
+        # The smallest replica's KV pool: what a request may hold at most (known once ready).
+        self.kv_tokens = sys.maxsize
         self.query_timeout_s = QUERY_TIMEOUT_S
 
     @property
@@ -205,8 +208,9 @@ class TokenizerManager:
                     await self.answer_query(qid, HealthReply("ok"))
                 case ModelInfoOut(query_id=qid, info=info):
                     await self.answer_query(qid, info)
-                case SchedulerReady(dp_rank=dp_rank):
+                case SchedulerReady(dp_rank=dp_rank, max_total_tokens=pool):
                     self.replicas_ready.add(dp_rank)
+                    self.kv_tokens = min(self.kv_tokens, pool)
                     if self.ready:
                         logger.info("The model is ready: taking requests")
 
