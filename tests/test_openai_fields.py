@@ -277,3 +277,16 @@ def test_echo_loglikelihood_equals_a_transformers_forward(oai, tokenizer, tiny_s
         max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs[1 : len(ids)], expected))
         < 1e-3
     )
+
+
+def test_a_default_max_tokens_fits_the_kv_pool_as_well_as_the_context():
+    """Chat without max_tokens asked for the whole context: refused (too_long) by a server
+    whose KV pool is smaller than its context."""
+    from radixserve.http_server.openai_protocol import BadField, max_new_tokens
+
+    assert max_new_tokens(None, None, 100, (40960, 8192)) == 8092
+    assert max_new_tokens(None, None, 100, (4096, 1 << 20)) == 3996
+    assert max_new_tokens(None, 16, 100, (4096, 200)) == 16
+    assert max_new_tokens(3000, None, 100, (4096, 200)) == 3000  # the scheduler says too_long
+    with pytest.raises(BadField, match="context length is 4096"):
+        max_new_tokens(4000, None, 100, (4096, 1 << 20))
