@@ -34,7 +34,12 @@ from radixserve.process_setup import (
 )
 from radixserve.protocol.internal import ProcessReady
 from radixserve.protocol.wire import MAX_API_KEY_CHARS
-from radixserve.server_args import RankPlacement, ServerArgs, parse_server_args
+from radixserve.server_args import (
+    RankPlacement,
+    ServerArgs,
+    check_speculative_args,
+    parse_server_args,
+)
 
 logger = logging.getLogger("radixserve")
 
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.enable_overlap_schedule and args.disable_overlap_schedule:
         logger.error("--enable-overlap-schedule and --disable-overlap-schedule contradict")
         return 2
-    mistake = check_parallel_args(args)
+    mistake = check_parallel_args(args) or check_speculative_args(args)
     if mistake is not None:
         logger.error("%s", mistake)
         return 2

@@ -17,6 +17,7 @@ from radixserve.model_worker.models import get_model_class
 from radixserve.model_worker.parallel import TPGroup
 from radixserve.model_worker.quantization import Int8Weight, check_quantization
 from radixserve.model_worker.sampler import Sampler
+from radixserve.model_worker.spec_verify import draft_tokens, verify, verify_rows
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> SampleOutput:
         """The next token of every sequence of the batch, and logprobs where asked for; on the
-        CPU. Keeps each penalised request's token counts for its later steps."""
-        return self.sampler(self.forward_logits(batch), batch.sampling)
+        CPU. A speculating batch gets each sequence's accepted run (spec_verify.py)."""
+        draft_lens = batch.draft_lens
+        if draft_lens is None:
+            return self.sampler(self.forward_logits(batch), batch.sampling)
+        logits = self.forward_logits(batch, verify_rows(batch.extend_lens, draft_lens))
+        drafts = draft_tokens(batch.input_ids, batch.extend_lens, draft_lens)
+        return verify(logits, drafts, draft_lens, batch.sampling, self.sampler)
 
     @torch.inference_mode()
     def forward_logits(

@@ -6,7 +6,6 @@ from __future__ import annotations
 from radixserve.model_worker.batch import SampleOutput
 from radixserve.protocol.internal import ReqStart, ReqTokenOut
 from radixserve.scheduler.req import Req
-from radixserve.scheduler.schedule_batch import ScheduleBatch
 
 
 def next_output(req: Req) -> ReqTokenOut:
@@ -38,17 +37,20 @@ def _start(req: Req) -> ReqStart:
     )
 
 
-def record_logprobs(batch: ScheduleBatch, result: SampleOutput) -> None:
-    """Keep the logprobs of each real output token, for requests that asked for them."""
-    assert result.token_logprobs is not None
-    token_logprobs = result.token_logprobs.tolist()
-    top_values = result.top_logprobs.tolist() if result.top_logprobs is not None else []
-    top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else []
-    tokens = result.next_token_ids.tolist()
-    for i, (req, emits) in enumerate(zip(batch.reqs, batch.emits)):
-        if not req.return_logprob or not emits or req.finished:  # finished: a dropped token
-            continue
-        req.output_token_logprobs.append((token_logprobs[i], tokens[i]))
+class LogprobRows:
+    """A step's logprobs, as Python lists: each real output token keeps its row's, for requests
+    that asked for them."""
+
+    def __init__(self, result: SampleOutput):
+        assert result.token_logprobs is not None
+        self.tokens = result.next_token_ids.tolist()
+        self.token_logprobs = result.token_logprobs.tolist()
+        self.top_values = result.top_logprobs.tolist() if result.top_logprobs is not None else []
+        self.top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else []
+
+    def record(self, req: Req, i: int) -> None:
+        """Req's new output token is the result's token i."""
+        req.output_token_logprobs.append((self.token_logprobs[i], self.tokens[i]))
         if req.top_logprobs_num:
             k = req.top_logprobs_num
-            req.output_top_logprobs.append(list(zip(top_values[i][:k], top_ids[i][:k])))
+            req.output_top_logprobs.append(list(zip(self.top_values[i][:k], self.top_ids[i][:k])))

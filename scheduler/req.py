@@ -28,6 +28,7 @@ from radixserve.protocol.internal import ReqError, TokenizedGenerateReq
 from radixserve.protocol.wire import FinishReason, SamplingParams
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_handle import KVHandle
+from radixserve.scheduler.ngram import SpecState
 from radixserve.scheduler.seen_tokens import SeenTokens
 
 
@@ -53,6 +54,7 @@ class Req:
     # recompute after a retraction finds its own KV there, which is no cache hit.
     cached_tokens: int = 0
     retracted: bool = False  # ever sent back to the waiting queue
+    spec: SpecState | None = None  # its drafting state, once it has drafted (speculation.py)
 
     @property
     def num_outputs(self) -> int:

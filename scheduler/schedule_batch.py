@@ -40,6 +40,9 @@ class ScheduleBatch:
     # int64 [B]: the FutureMap slot of each sequence's sampled token; an emitted token in flight
     # is -slot in its request's future_ids
     future_slots: torch.Tensor
+    # Speculative drafts each request computes after its last token, the last of its extend
+    # tokens (0 for the others); None: the step does not speculate
+    draft_lens: list[int] | None = None
 
     @classmethod
     def prepare(
@@ -50,6 +53,7 @@ class ScheduleBatch:
         num_decodes: int,
         kv: KVManager,
         future_slots: torch.Tensor,
+        drafts: list[list[int]] | None = None,
     ) -> ScheduleBatch:
         prefix_lens = list(map(_NUM_COMPUTED, reqs))
         n_out = [r.num_outputs for r in reqs]
@@ -65,10 +69,14 @@ class ScheduleBatch:
             token_rows = torch.repeat_interleave(rows, extend)
         if num_tokens == len(reqs) and all(emits):  # each computes its last token
             input_ids = [r.last_token for r in reqs]
-        else:
+        elif drafts is None:
             input_ids = []
             for req, start, n in zip(reqs, prefix_lens, extend_lens):
                 input_ids += req.token_slice(start, start + n)
+        else:  # a speculating request: its last token, then its drafts
+            input_ids = []
+            for req, start, n, draft in zip(reqs, prefix_lens, extend_lens, drafts):
+                input_ids += req.token_slice(start, start + n - len(draft)) + draft
         return cls(
             reqs=reqs,
             prefix_lens=prefix_lens,
@@ -80,11 +88,16 @@ class ScheduleBatch:
             positions=positions,
             out_cache_loc=kv.alloc_extend(token_rows, positions),
             future_slots=future_slots,
+            draft_lens=None if drafts is None else [len(d) for d in drafts],
         )
 
     @property
     def num_tokens(self) -> int:
         return self.out_cache_loc.numel()
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(self.draft_lens) if self.draft_lens else 0
 
     @property
     def is_mixed(self) -> bool:
@@ -104,4 +117,5 @@ class ScheduleBatch:
             extend_lens=extend,
             kv_slots=kv_slots,
             sampling=sampling_rows.batch_info(self.reqs, rows, output_index),
+            draft_lens=None if self.draft_lens is None else torch.tensor(self.draft_lens),
         )
