@@ -122,6 +122,9 @@ def sum_server_info(infos: list[ServerInfoReply]) -> ServerInfoReply:
         max_running_requests=total("max_running_requests"),
         prompt_tokens=prompt_tokens,
         replicas=infos,
+        spec_verifies=total("spec_verifies"),
+        spec_draft_tokens=total("spec_draft_tokens"),
+        spec_accepted_tokens=total("spec_accepted_tokens"),
     )
 
 

@@ -24,6 +24,8 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+import msgspec
+
 from radixserve.model_worker.batch import SampleOutput
 from radixserve.model_worker.future_map import FutureMap
 from radixserve.model_worker.overlap_worker import ModelWorker, OverlapWorker
@@ -352,8 +354,17 @@ class Scheduler:
         return True
 
     def server_info(self) -> ServerInfoReply:
-        return self.stats.server_info(
+        info = self.stats.server_info(
             self.kv, len(self.running), len(self.waiting), self.config.max_running_requests
+        )
+        if self.drafter is None:
+            return info
+        spec = self.drafter.stats
+        return msgspec.structs.replace(
+            info,
+            spec_verifies=spec.verifies,
+            spec_draft_tokens=spec.drafts,
+            spec_accepted_tokens=spec.accepted,
         )
 
     def check_invariants(self, batch: ScheduleBatch | None) -> None:

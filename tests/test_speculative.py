@@ -25,6 +25,7 @@ from radixserve.protocol.wire import SamplingParams
 from radixserve.scheduler.config import SchedulerConfig, SpecConfig
 from radixserve.scheduler.ngram import NgramIndex
 from radixserve.scheduler.scheduler import Scheduler
+from radixserve.tokenizer_manager.metrics import Metrics
 
 CPU = torch.device("cpu")
 NGRAM = SpecConfig("NGRAM", num_draft_tokens=6, ngram_min=1, ngram_max=4, disable_by_batch_size=64)
@@ -281,6 +282,12 @@ def test_greedy_outputs_are_token_equal_with_ngram(greedy_reference, overlap: bo
     assert_same_outputs(serve(s, greedy_requests(), stagger=1), want)
     assert s.drafter is not None and s.drafter.stats.accepted > 0
     assert s.stats.num_mixed_steps > 0
+    info = s.server_info()  # /metrics' accept length comes from it
+    assert info.spec_accepted_tokens == s.drafter.stats.accepted
+    assert 1 < info.spec_accept_length == 1 + info.spec_accepted_tokens / info.spec_verifies
+    assert f"radixserve:spec_accept_length {info.spec_accept_length}" in (
+        Metrics().expose(info).decode()
+    )
     alone = make_scheduler(model, NGRAM, overlap=overlap)
     for msg in greedy_requests()[:8]:
         assert_same_outputs(serve(alone, [msg], 0), {msg.rid: want[msg.rid]})
