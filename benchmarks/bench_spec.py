@@ -200,9 +200,7 @@ def main() -> None:
                     )
                     outputs[(load, mode)] = tokens
                 before = asyncio.run(spec_counters(address))
-                result = asyncio.run(
-                    run_load(address, at_once, args.at_once_output_len, mode)
-                )
+                result = asyncio.run(run_load(address, at_once, args.at_once_output_len, mode))
                 results.setdefault((at_once_name, mode), []).append(result)
                 accept.setdefault((at_once_name, mode), []).append(
                     accept_length(before, asyncio.run(spec_counters(address)))

@@ -8,7 +8,6 @@ overlap, and with retractions forced by a small KV pool."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -185,24 +184,30 @@ def test_a_seeded_sequence_gets_its_plain_samplers_tokens_alone_and_among_others
 # ---- the scheduler over a real tiny model ------------------------------------------------------
 
 
+@pytest.fixture
+def runner(tiny_model) -> ModelRunner:
+    """One model for a test's schedulers: each writes a KV slot before reading it, and greedy
+    and seeded rows do not draw from the runner's generator."""
+    return ModelRunner(
+        str(tiny_model("qwen3")),
+        dtype=torch.float32,
+        device=CPU,
+        max_total_tokens=1024,
+        mem_fraction_static=0.0,
+        tp=TPGroup(),
+        seed=0,
+    )
+
+
 def make_scheduler(
-    model: Path,
+    runner: ModelRunner,
     spec: SpecConfig | None,
     pool: int = 1024,
     overlap: bool = False,
     chunk: int = 256,
 ) -> Scheduler:
-    runner = ModelRunner(
-        str(model),
-        dtype=torch.float32,
-        device=CPU,
-        max_total_tokens=pool,
-        mem_fraction_static=0.0,
-        tp=TPGroup(),
-        seed=0,
-    )
     config = SchedulerConfig(
-        max_total_tokens=runner.max_total_tokens,
+        max_total_tokens=min(pool, runner.max_total_tokens),
         max_running_requests=64,
         max_prefill_tokens=512,
         chunked_prefill_size=chunk,
@@ -267,18 +272,17 @@ def assert_same_outputs(got: dict[str, list], want: dict[str, list]) -> None:
 
 
 @pytest.fixture
-def greedy_reference(tiny_model) -> tuple[Path, dict[str, list]]:
-    model = tiny_model("qwen3")
-    return model, serve(make_scheduler(model, None), greedy_requests(), stagger=0)
+def greedy_reference(runner) -> tuple[ModelRunner, dict[str, list]]:
+    return runner, serve(make_scheduler(runner, None), greedy_requests(), stagger=0)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_greedy_outputs_are_token_equal_with_ngram(greedy_reference, overlap: bool) -> None:
-    model, want = greedy_reference
+    runner, want = greedy_reference
     stops = sum(o[-1].finished_reason.type == "stop" for o in want.values())
     assert 0 < stops < 32, "some requests should end by EOS, inside an accepted run or not"
     # Arriving while others decode, long prompts in chunks: drafts mix with prefills.
-    s = make_scheduler(model, NGRAM, overlap=overlap, chunk=24)
+    s = make_scheduler(runner, NGRAM, overlap=overlap, chunk=24)
     assert_same_outputs(serve(s, greedy_requests(), stagger=1), want)
     assert s.drafter is not None and s.drafter.stats.accepted > 0
     assert s.stats.num_mixed_steps > 0
@@ -288,41 +292,37 @@ def test_greedy_outputs_are_token_equal_with_ngram(greedy_reference, overlap: bo
     assert f"radixserve:spec_accept_length {info.spec_accept_length}" in (
         Metrics().expose(info).decode()
     )
-    alone = make_scheduler(model, NGRAM, overlap=overlap)
+    alone = make_scheduler(runner, NGRAM, overlap=overlap)
     for msg in greedy_requests()[:8]:
         assert_same_outputs(serve(alone, [msg], 0), {msg.rid: want[msg.rid]})
 
 
-def test_greedy_outputs_survive_retractions_with_ngram(tiny_model) -> None:
-    model = tiny_model("qwen3")
+def test_greedy_outputs_survive_retractions_with_ngram(runner) -> None:
     reqs = [request(f"r{i}", p, 60, ignore_eos=True) for i, p in enumerate(repetitive_prompts(16))]
-    want = serve(make_scheduler(model, None), reqs, stagger=0)
-    s = make_scheduler(model, NGRAM, pool=400)
+    want = serve(make_scheduler(runner, None), reqs, stagger=0)
+    s = make_scheduler(runner, NGRAM, pool=400)
     assert_same_outputs(serve(s, reqs, stagger=0), want)
     assert s.stats.num_retractions > 0
     assert s.drafter is not None and s.drafter.stats.accepted > 0
 
 
-def test_seeded_requests_get_the_same_tokens_with_ngram_alone_and_among_others(
-    tiny_model,
-) -> None:
+def test_seeded_requests_get_the_same_tokens_with_ngram_alone_and_among_others(runner) -> None:
     """Four seeded requests: each the same tokens as without speculation, alone, and all four
     together among 12 unseeded ones."""
-    model = tiny_model("qwen3")
     prompts = repetitive_prompts(16, seed=5)
     ours = [
-        request(f"s{i}", prompts[i], 48, temperature=0.1, top_k=20, seed=100 + i, ignore_eos=True)
+        request(f"s{i}", prompts[i], 32, temperature=0.1, top_k=20, seed=100 + i, ignore_eos=True)
         for i in range(4)
     ]
-    want = {m.rid: tokens_of(serve(make_scheduler(model, None), [m], 0)[m.rid]) for m in ours}
+    want = {m.rid: tokens_of(serve(make_scheduler(runner, None), [m], 0)[m.rid]) for m in ours}
     accepted = 0
     for msg in ours:
-        alone = make_scheduler(model, NGRAM)
+        alone = make_scheduler(runner, NGRAM)
         assert tokens_of(serve(alone, [msg], 0)[msg.rid]) == want[msg.rid]
         assert alone.drafter is not None
         accepted += alone.drafter.stats.accepted
     assert accepted > 0
-    others = [request(f"o{i}", p, 30, temperature=1.0) for i, p in enumerate(prompts[4:])]
-    crowd = make_scheduler(model, NGRAM)
+    others = [request(f"o{i}", p, 20, temperature=1.0) for i, p in enumerate(prompts[4:])]
+    crowd = make_scheduler(runner, NGRAM)
     outs = serve(crowd, [*others[:6], *ours, *others[6:]], stagger=1)
     assert {rid: tokens_of(outs[rid]) for rid in want} == want
