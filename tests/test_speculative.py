@@ -8,6 +8,7 @@ overlap, and with retractions forced by a small KV pool."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,19 +185,24 @@ def test_a_seeded_sequence_gets_its_plain_samplers_tokens_alone_and_among_others
 # ---- the scheduler over a real tiny model ------------------------------------------------------
 
 
-@pytest.fixture
-def runner(tiny_model) -> ModelRunner:
-    """One model for a test's schedulers: each writes a KV slot before reading it, and greedy
-    and seeded rows do not draw from the runner's generator."""
+def load_runner(model: Path, attention_backend: str = "auto") -> ModelRunner:
     return ModelRunner(
-        str(tiny_model("qwen3")),
+        str(model),
         dtype=torch.float32,
         device=CPU,
         max_total_tokens=1024,
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
+        attention_backend=attention_backend,
     )
+
+
+@pytest.fixture
+def runner(tiny_model) -> ModelRunner:
+    """One model for a test's schedulers: each writes a KV slot before reading it, and greedy
+    and seeded rows do not draw from the runner's generator."""
+    return load_runner(tiny_model("qwen3"))
 
 
 def make_scheduler(
@@ -295,6 +301,17 @@ def test_greedy_outputs_are_token_equal_with_ngram(greedy_reference, overlap: bo
     alone = make_scheduler(runner, NGRAM, overlap=overlap)
     for msg in greedy_requests()[:8]:
         assert_same_outputs(serve(alone, [msg], 0), {msg.rid: want[msg.rid]})
+
+
+def test_greedy_outputs_are_token_equal_with_ngram_on_torch_native(tiny_model) -> None:
+    """The portable attention backend takes the drafts' extend rows too."""
+    runner = load_runner(tiny_model("qwen3"), attention_backend="torch_native")
+    assert runner.attention_backend == "torch_native"
+    reqs = greedy_requests()[:12]
+    want = serve(make_scheduler(runner, None), reqs, stagger=0)
+    s = make_scheduler(runner, NGRAM, chunk=24)
+    assert_same_outputs(serve(s, reqs, stagger=1), want)
+    assert s.drafter is not None and s.drafter.stats.accepted > 0
 
 
 def test_greedy_outputs_survive_retractions_with_ngram(runner) -> None:
