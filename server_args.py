@@ -55,6 +55,11 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     enable_overlap_schedule: bool = False  # default: on with a GPU, off on the CPU
     disable_overlap_schedule: bool = False
     log_interval: int = 40  # decode steps between two log lines
+    speculative_algorithm: str | None = None  # None | NGRAM
+    speculative_num_draft_tokens: int = 8  # rows verified per request: the last token + drafts
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_disable_by_batch_size: int = 4  # more running requests: no speculation
     max_request_bytes: int = 64 * 1024 * 1024
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
     # Before the scheduler (tokenizer_manager/intake.py): past these, `overloaded` at once.
@@ -166,6 +171,17 @@ _HELP = {
     "disable_overlap_schedule": "run each step's forward on the scheduler's thread and process "
     "its result before planning the next (the default on the CPU)",
     "log_interval": "decode steps between two throughput log lines",
+    "speculative_algorithm": "speculative decoding: NGRAM guesses a request's next tokens from "
+    "its own prompt and output (prompt lookup) and the model verifies them in one forward; "
+    "outputs are the same as without it (default: off)",
+    "speculative_num_draft_tokens": "tokens verified per request and step: its last token and "
+    "up to this many minus one drafts",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest run of a request's last tokens "
+    "that must match earlier in its prompt or output to propose drafts",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest run of last tokens matched (the "
+    "longest match wins)",
+    "speculative_disable_by_batch_size": "a step speculates only while at most this many "
+    "requests run: at larger batches the extra rows cost real compute",
     "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
     "max_queued_requests": "requests that may wait for admission; past it, new ones get an "
     "`overloaded` error",
@@ -202,6 +218,7 @@ _HELP = {
 _CHOICES = {
     "dtype": ("auto", "bfloat16", "float16", "float32"),
     "schedule_policy": ("fcfs", "lpm"),
+    "speculative_algorithm": ("NGRAM",),
     "sampling_defaults": ("model", "openai"),
     "attention_backend": ("auto", "torch_native", "cpu_attn"),
     "quantization": ("int8",),
@@ -271,7 +288,7 @@ def check_server_args(args: ServerArgs) -> str | None:
         return f"--api-key must have 1 to {MAX_API_KEY_CHARS} characters"
     if args.enable_overlap_schedule and args.disable_overlap_schedule:
         return "--enable-overlap-schedule and --disable-overlap-schedule contradict each other"
-    return check_parallel_args(args)
+    return check_parallel_args(args) or check_speculative_args(args)
 
 
 def check_parallel_args(args: ServerArgs) -> str | None:
@@ -309,6 +326,26 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             choices=_CHOICES.get(field.name),
             help=help_text,
         )
+
+
+MAX_SPECULATIVE_TOKENS = 64  # verified rows per request and step
+MAX_NGRAM_WINDOW = 64
+
+
+def check_speculative_args(args: ServerArgs) -> str | None:
+    """Why the speculative flags do not fit together, or None."""
+    if not 2 <= args.speculative_num_draft_tokens <= MAX_SPECULATIVE_TOKENS:
+        return f"--speculative-num-draft-tokens must be in 2..{MAX_SPECULATIVE_TOKENS}"
+    low = args.speculative_ngram_min_match_window_size
+    high = args.speculative_ngram_max_match_window_size
+    if not 1 <= low <= high <= MAX_NGRAM_WINDOW:
+        return (
+            "--speculative-ngram-min-match-window-size and -max- must satisfy "
+            f"1 <= min <= max <= {MAX_NGRAM_WINDOW}"
+        )
+    if args.speculative_disable_by_batch_size < 1:
+        return "--speculative-disable-by-batch-size must be at least 1"
+    return None
 
 
 class _Parser(argparse.ArgumentParser):

@@ -91,7 +91,24 @@ class IncrementalDetokenizer:
 
     def step(self, outs: list[ReqTokenOut]) -> tuple[list[ReqStrOut], list[StopReq]]:
         """Text for each output (it may be empty while a character or a stop string is split),
-        and the requests the scheduler must stop."""
+        and the requests the scheduler must stop. A request may have two outputs in one batch
+        (with speculation, a step processes the step in flight and then its own): they are
+        decoded in turn, each after the one before."""
+        strs: list[ReqStrOut] = []
+        stops: list[StopReq] = []
+        start, rids = 0, set()
+        for i, out in enumerate(outs):
+            if out.rid in rids:
+                done = self._step_distinct(outs[start:i])
+                strs += done[0]
+                stops += done[1]
+                start, rids = i, set()
+            rids.add(out.rid)
+        done = self._step_distinct(outs[start:])
+        return strs + done[0], stops + done[1]
+
+    def _step_distinct(self, outs: list[ReqTokenOut]) -> tuple[list[ReqStrOut], list[StopReq]]:
+        """`step` for outputs of distinct requests: their texts are decoded in one batch."""
         strs: list[ReqStrOut] = []
         live, states = [], []
         for out in outs:

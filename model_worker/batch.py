@@ -71,17 +71,26 @@ class SamplingBatchInfo:
 
 @dataclass(slots=True)
 class SampleOutput:
-    """What the worker returns for a batch (CPU tensors)."""
+    """What the worker returns for a batch (CPU tensors). N = B, one token per sequence, unless
+    the batch speculated: then sequence i gets a run of accept_lens[i] tokens, back to back."""
 
-    next_token_ids: torch.Tensor  # int64 [B]
+    next_token_ids: torch.Tensor  # int64 [N]
     # With any_logprob: log_softmax of the raw logits (before temperature and penalties).
-    token_logprobs: torch.Tensor | None = None  # float32 [B]: of the chosen token
-    top_logprobs: torch.Tensor | None = None  # float32 [B, K], K = max(top_logprobs_nums)
-    top_logprob_ids: torch.Tensor | None = None  # int64 [B, K]
+    token_logprobs: torch.Tensor | None = None  # float32 [N]: of the chosen token
+    top_logprobs: torch.Tensor | None = None  # float32 [N, K], K = max(top_logprobs_nums)
+    top_logprob_ids: torch.Tensor | None = None  # int64 [N, K]
     # With the batch's prompt_logprob_rows: each row's logprob of its target, and its top K.
     prompt_logprobs: torch.Tensor | None = None  # float32 [R]
     prompt_top_logprobs: torch.Tensor | None = None  # float32 [R, K], K = prompt_top_logprobs_num
     prompt_top_logprob_ids: torch.Tensor | None = None  # int64 [R, K]
+    accept_lens: torch.Tensor | None = None  # int64 [B]: accepted drafts + 1; None: all 1
+
+    @property
+    def last_token_ids(self) -> torch.Tensor:
+        """Each sequence's last new token [B]: what its next step's input placeholder means."""
+        if self.accept_lens is None:
+            return self.next_token_ids
+        return self.next_token_ids[torch.cumsum(self.accept_lens, 0) - 1]
 
 
 @dataclass(slots=True)
@@ -98,6 +107,9 @@ class ModelWorkerBatch:
     prompt_logprob_rows: torch.Tensor | None = None  # int64 [R]
     prompt_logprob_targets: torch.Tensor | None = None  # int64 [R]
     prompt_top_logprobs_num: int = 0
+    # int64 [B]: how many of each sequence's extend tokens are speculative drafts, its last ones
+    # (spec_verify.py); None: the batch does not speculate
+    draft_lens: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

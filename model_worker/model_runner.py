@@ -17,6 +17,7 @@ from radixserve.model_worker.models import get_model_class
 from radixserve.model_worker.parallel import TPGroup
 from radixserve.model_worker.quantization import check_quantization
 from radixserve.model_worker.sampler import Sampler
+from radixserve.model_worker.spec_verify import draft_tokens, verify, verify_rows
 from radixserve.model_worker.weight_format import WeightFormat, tensor_address
 
 logger = logging.getLogger(__name__)
@@ -115,12 +116,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ModelWorkerBatch) -> SampleOutput:
         """The next token of every sequence of the batch, and logprobs where asked for; on the
-        CPU. Keeps each penalised request's token counts for its later steps."""
-        if batch.prompt_logprob_rows is None:
-            return self.sampler(self.forward_logits(batch), batch.sampling)
+        CPU. Keeps each penalised request's token counts for its later steps; a speculating
+        batch gets each sequence's accepted run (spec_verify.py)."""
         hidden, last_rows = self._forward_hidden(batch)
-        out = self.sampler(self.model.compute_logits(hidden[last_rows]), batch.sampling)
-        self._prompt_logprobs(batch, hidden, out)
+        draft_lens = batch.draft_lens
+        if draft_lens is None:
+            out = self.sampler(self.model.compute_logits(hidden[last_rows]), batch.sampling)
+        else:
+            rows = verify_rows(batch.extend_lens, draft_lens).to(self.device)
+            drafts = draft_tokens(batch.input_ids, batch.extend_lens, draft_lens)
+            logits = self.model.compute_logits(hidden[rows])
+            out = verify(logits, drafts, draft_lens, batch.sampling, self.sampler)
+        if batch.prompt_logprob_rows is not None:  # a prefill beside the drafts, maybe
+            self._prompt_logprobs(batch, hidden, out)
         return out
 
     @torch.inference_mode()

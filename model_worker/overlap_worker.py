@@ -55,7 +55,7 @@ class OverlapWorker:
             batch, slots, result = self._steps.get()
             try:
                 output = self.worker.forward(self.future_map.resolve(batch))
-                self.future_map.store(slots, output.next_token_ids)
+                self.future_map.store(slots, output.last_token_ids)
             except BaseException as error:  # the scheduler thread re-raises it from result()
                 result.set_exception(error)
             else:

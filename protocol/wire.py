@@ -289,6 +289,18 @@ class ServerInfoReply(_Reply, tag="server_info"):
     # With --dp-size above 1: each replica's own figures, in order; the fields above sum them.
     replicas: list[ServerInfoReply] = []
     num_requests: int = 0  # generates received (completions: n counts n)
+    # Speculative decoding: requests' steps that verified drafts, drafts proposed, accepted.
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens a verifying request step gained on average (SGLang's accept length); 0
+        before any."""
+        if not self.spec_verifies:
+            return 0.0
+        return 1 + self.spec_accepted_tokens / self.spec_verifies
 
 
 class FlushCacheReply(_Reply, tag="flush_cache"):

@@ -6,6 +6,21 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Speculative decoding (speculation.py), SGLang's flags."""
+
+    algorithm: str  # "NGRAM"
+    num_draft_tokens: int  # rows verified per request and step: its last token and the drafts
+    ngram_min: int  # shortest match of a request's last tokens that proposes drafts
+    ngram_max: int  # longest
+    disable_by_batch_size: int  # a step with more running requests does not speculate
+
+    @property
+    def max_drafts(self) -> int:
+        return self.num_draft_tokens - 1
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_total_tokens: int  # usable KV slots
     max_running_requests: int
@@ -23,3 +38,4 @@ class SchedulerConfig:
     page_size: int = 1
     schedule_policy: str = "fcfs"  # or "lpm": longest prefix match first
     enable_overlap: bool = False  # launch each step on a worker thread, process it one step later
+    speculative: SpecConfig | None = None  # None: no speculative decoding

@@ -152,6 +152,9 @@ def sum_server_info(infos: list[ServerInfoReply]) -> ServerInfoReply:
         prompt_tokens=prompt_tokens,
         replicas=infos,
         num_requests=total("num_requests"),
+        spec_verifies=total("spec_verifies"),
+        spec_draft_tokens=total("spec_draft_tokens"),
+        spec_accepted_tokens=total("spec_accepted_tokens"),
     )
 
 

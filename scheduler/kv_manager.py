@@ -115,6 +115,17 @@ class KVManager:
         cached = req.num_computed_tokens // self.page_size * self.page_size
         req.kv = KVHandle(hold.row, cached)
 
+    def drop_tail(self, req: Req, keep: int) -> None:
+        """Free a running request's slots past its first `keep` computed tokens: the KV of
+        speculative drafts the target rejected. Only its own slots: keep is past its cached
+        part."""
+        hold = req.kv
+        assert hold is not None and hold.cached_len <= keep <= req.num_computed_tokens
+        row = self.req_to_token_pool.req_to_token[hold.row]
+        self.allocator.free(row[keep : req.num_computed_tokens].clone())
+        row[keep : req.num_computed_tokens] = 0
+        req.num_computed_tokens = keep
+
     def release(self, req: Req) -> None:
         """The request stops holding KV (finished, aborted, retracted, or not admitted after
         all): its computed tokens go to the prefix cache, or back to the allocator without one."""

@@ -48,21 +48,23 @@ def _start(req: Req) -> ReqStart:
     )
 
 
-def record_logprobs(batch: ScheduleBatch, result: SampleOutput) -> None:
-    """Keep the logprobs of each real output token, for requests that asked for them."""
-    assert result.token_logprobs is not None
-    token_logprobs = result.token_logprobs.tolist()
-    top_values = result.top_logprobs.tolist() if result.top_logprobs is not None else []
-    top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else []
-    tokens = result.next_token_ids.tolist()
-    for i, (req, emits) in enumerate(zip(batch.reqs, batch.emits)):
-        # finished: a dropped token; prompt_only: a sample that is no output
-        if not req.return_logprob or not emits or req.finished or req.prompt_only:
-            continue
-        req.output_token_logprobs.append((token_logprobs[i], tokens[i]))
+class LogprobRows:
+    """A step's logprobs, as Python lists: each real output token keeps its row's, for requests
+    that asked for them."""
+
+    def __init__(self, result: SampleOutput):
+        assert result.token_logprobs is not None
+        self.tokens = result.next_token_ids.tolist()
+        self.token_logprobs = result.token_logprobs.tolist()
+        self.top_values = result.top_logprobs.tolist() if result.top_logprobs is not None else []
+        self.top_ids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else []
+
+    def record(self, req: Req, i: int) -> None:
+        """Req's new output token is the result's token i."""
+        req.output_token_logprobs.append((self.token_logprobs[i], self.tokens[i]))
         if req.top_logprobs_num:
             k = req.top_logprobs_num
-            req.output_top_logprobs.append(list(zip(top_values[i][:k], top_ids[i][:k])))
+            req.output_top_logprobs.append(list(zip(self.top_values[i][:k], self.top_ids[i][:k])))
 
 
 def record_prompt_logprobs(batch: ScheduleBatch, result: SampleOutput) -> None:

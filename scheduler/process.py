@@ -42,7 +42,7 @@ from radixserve.protocol.internal import (
     TokenizedGenerateReq,
 )
 from radixserve.protocol.wire import FinishReason, ModelInfoReply
-from radixserve.scheduler.config import SchedulerConfig
+from radixserve.scheduler.config import SchedulerConfig, SpecConfig
 from radixserve.scheduler.grammar import GrammarBackend
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.server_args import RankPlacement, ServerArgs
@@ -78,6 +78,18 @@ def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlaceme
         attention_backend=args.attention_backend,
         quantization=args.quantization,
         fused_layers=not args.disable_fused_layers,
+    )
+
+
+def speculative_config(args: ServerArgs) -> SpecConfig | None:
+    if args.speculative_algorithm is None:
+        return None
+    return SpecConfig(
+        algorithm=args.speculative_algorithm,
+        num_draft_tokens=args.speculative_num_draft_tokens,
+        ngram_min=args.speculative_ngram_min_match_window_size,
+        ngram_max=args.speculative_ngram_max_match_window_size,
+        disable_by_batch_size=args.speculative_disable_by_batch_size,
     )
 
 
@@ -119,10 +131,11 @@ def build_scheduler(
         page_size=args.page_size,
         schedule_policy=args.schedule_policy,
         enable_overlap=overlap_schedule(args, runner.device),
+        speculative=speculative_config(args),
     )
     logger.info(
         "Model %s on %s, dtype %s. max_total_tokens=%d, max_running_requests=%d, "
-        "context_len=%d, chunked_prefill_size=%d, overlap schedule %s",
+        "context_len=%d, chunked_prefill_size=%d, overlap schedule %s, speculative %s",
         model.architecture,
         runner.device,
         runner.dtype,
@@ -131,6 +144,7 @@ def build_scheduler(
         context_len,
         config.chunked_prefill_size,
         "on" if config.enable_overlap else "off",
+        config.speculative,
     )
     info = ModelInfoReply(
         model_path=model_path,

@@ -29,6 +29,7 @@ from radixserve.protocol.internal import ReqError, TokenizedGenerateReq
 from radixserve.protocol.wire import FinishReason, SamplingParams
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_handle import KVHandle
+from radixserve.scheduler.ngram import SpecState
 from radixserve.scheduler.seen_tokens import SeenTokens
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class Req:
     # Its grammar's matcher (constrained decoding, scheduler/grammar.py), from when its grammar
     # compiled: it has accepted exactly `output_ids`.
     grammar: GrammarMatcher | None = None
+    spec: SpecState | None = None  # its drafting state, once it has drafted (speculation.py)
 
     @property
     def num_outputs(self) -> int:

@@ -44,6 +44,9 @@ class ScheduleBatch:
     # Prompt logprobs: (sequence, first position, count) of each run of rows whose logits give
     # the logprob of the prompt token after them; empty when no request asks.
     prompt_spans: tuple[tuple[int, int, int], ...] = ()
+    # Speculative drafts each request computes after its last token, the last of its extend
+    # tokens (0 for the others); None: the step does not speculate
+    draft_lens: list[int] | None = None
 
     @classmethod
     def prepare(
@@ -54,6 +57,7 @@ class ScheduleBatch:
         num_decodes: int,
         kv: KVManager,
         future_slots: torch.Tensor,
+        drafts: list[list[int]] | None = None,
     ) -> ScheduleBatch:
         prefix_lens = list(map(_NUM_COMPUTED, reqs))
         n_out = [r.num_outputs for r in reqs]
@@ -70,10 +74,11 @@ class ScheduleBatch:
         spans: tuple[tuple[int, int, int], ...] = ()
         if num_tokens == len(reqs) and all(emits):  # each computes its last token
             input_ids = [r.last_token for r in reqs]
-        else:
+        else:  # a speculating request: its last token, then its drafts
             input_ids = []
-            for req, start, n in zip(reqs, prefix_lens, extend_lens):
-                input_ids += req.token_slice(start, start + n)
+            for i, (req, start, n) in enumerate(zip(reqs, prefix_lens, extend_lens)):
+                draft = drafts[i] if drafts is not None else []
+                input_ids += req.token_slice(start, start + n - len(draft)) + draft
             spans = prompt_spans(reqs, prefix_lens, extend_lens)
         return cls(
             reqs=reqs,
@@ -87,11 +92,16 @@ class ScheduleBatch:
             out_cache_loc=kv.alloc_extend(token_rows, positions),
             future_slots=future_slots,
             prompt_spans=spans,
+            draft_lens=None if drafts is None else [len(d) for d in drafts],
         )
 
     @property
     def num_tokens(self) -> int:
         return self.out_cache_loc.numel()
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(self.draft_lens) if self.draft_lens else 0
 
     @property
     def is_mixed(self) -> bool:
@@ -112,6 +122,7 @@ class ScheduleBatch:
             kv_slots=kv_slots,
             sampling=sampling_rows.batch_info(self.reqs, rows, output_index),
             **self._prompt_logprob_rows(),
+            draft_lens=None if self.draft_lens is None else torch.tensor(self.draft_lens),
         )
 
     def _prompt_logprob_rows(self) -> dict[str, Any]:

@@ -26,6 +26,8 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+import msgspec
+
 from radixserve.model_worker.batch import SampleOutput
 from radixserve.model_worker.future_map import FutureMap
 from radixserve.model_worker.overlap_worker import ModelWorker, OverlapWorker
@@ -40,7 +42,7 @@ from radixserve.scheduler.grammar import (
     vocab_mask,
 )
 from radixserve.scheduler.kv_manager import KVManager, require
-from radixserve.scheduler.output import next_output, record_logprobs, record_prompt_logprobs
+from radixserve.scheduler.output import LogprobRows, next_output, record_prompt_logprobs
 from radixserve.scheduler.prefill_adder import (
     NewTokenRatio,
     Planned,
@@ -51,6 +53,7 @@ from radixserve.scheduler.prefill_adder import (
 from radixserve.scheduler.req import Req, make_req
 from radixserve.scheduler.sampling_rows import SamplingRows
 from radixserve.scheduler.schedule_batch import ScheduleBatch
+from radixserve.scheduler.speculation import Drafter
 from radixserve.scheduler.stats import SchedulerStats
 
 logger = logging.getLogger("radixserve.scheduler")
@@ -75,6 +78,7 @@ class Scheduler:
         self.sampling_rows = SamplingRows(config.max_running_requests)
         self.future_map = FutureMap(config.max_running_requests)
         self.overlap = OverlapWorker(worker, self.future_map) if config.enable_overlap else None
+        self.drafter = Drafter(config.speculative) if config.speculative else None
         # The step launched but not processed yet (overlap only).
         self.in_flight: tuple[ScheduleBatch, Future[SampleOutput]] | None = None
         self.waiting: deque[Req] = deque()
@@ -139,13 +143,15 @@ class Scheduler:
         if self.grammars_compiling:
             self._admit_compiled()
         synced = None
-        if self.in_flight is not None and has_grammar(self.in_flight[0].reqs):
-            # The next step's vocab mask needs this one's tokens: no overlap with it.
-            synced, self.in_flight = self.in_flight, None
+        in_flight = self.in_flight
+        if in_flight is not None and (has_grammar(in_flight[0].reqs) or self._may_speculate()):
+            # The next step's vocab mask needs this one's tokens, and drafts continue a request's
+            # real tokens (the next step must know how many were accepted): no overlap with it.
+            synced, self.in_flight = in_flight, None
             self.process_batch_result(synced[0], synced[1].result())
         batch = self.get_next_batch_to_run()
         launched = (batch, self.run_batch(batch)) if batch is not None else None
-        if self.overlap is not None:
+        if self.overlap is not None and not (batch is not None and batch.draft_lens):
             done, self.in_flight = self.in_flight, launched
         else:
             done = launched
@@ -166,13 +172,24 @@ class Scheduler:
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         plan, num_decodes, retracted, prefill_budget = self._plan_running()
+        drafts = self._draft(plan) if self._may_speculate() else None
+        if drafts:
+            num_drafts = sum(map(len, drafts))
+            step_left = self.config.max_prefill_tokens - sum(n for _, n, _ in plan)
+            prefill_budget = min(prefill_budget, step_left)
+        else:
+            num_drafts = 0
         if self.waiting and not retracted:
-            plan += self._admit_waiting(prefill_budget)
+            plan += self._admit_waiting(prefill_budget, num_drafts)
         if not plan:
             return None
+        if drafts:
+            drafts += [[] for _ in range(len(plan) - len(drafts))]
         reqs, extend_lens, emits = (list(column) for column in zip(*plan))
         future_slots = self.future_map.alloc(len(reqs))
-        return ScheduleBatch.prepare(reqs, extend_lens, emits, num_decodes, self.kv, future_slots)
+        return ScheduleBatch.prepare(
+            reqs, extend_lens, emits, num_decodes, self.kv, future_slots, drafts or None
+        )
 
     def run_batch(self, batch: ScheduleBatch) -> Future[SampleOutput]:
         """Launch the step: from here on its requests count it as done, their emitted tokens
@@ -184,13 +201,14 @@ class Scheduler:
             vocab = self.grammar_queue.backend.vocab_size
             worker_batch.sampling.vocab_mask = vocab_mask(batch.reqs, batch.emits, vocab)
         placeholders = (-batch.future_slots).tolist()
-        for req, prefix, extend, emits, placeholder in zip(
-            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.emits, placeholders
+        draft_lens = batch.draft_lens or [0] * len(batch.reqs)
+        for req, prefix, extend, emits, placeholder, num_drafts in zip(
+            batch.reqs, batch.prefix_lens, batch.extend_lens, batch.emits, placeholders, draft_lens
         ):
-            req.num_computed_tokens = prefix + extend
+            req.num_computed_tokens = prefix + extend  # drafts included, until verified
             if emits:
                 req.future_ids.append(placeholder)
-            if extend > 1 or not emits:  # a prefill chunk or a whole prompt
+            if (extend > 1 or not emits) and not num_drafts:  # a prefill chunk or a whole prompt
                 self.kv.cache_unfinished(req)
         if self.overlap is not None:
             return self.overlap.launch(worker_batch, batch.future_slots)
@@ -199,15 +217,20 @@ class Scheduler:
         return result
 
     def process_batch_result(self, batch: ScheduleBatch, result: SampleOutput) -> None:
-        next_token_ids = result.next_token_ids.tolist()
-        if result.token_logprobs is not None:
-            record_logprobs(batch, result)
+        """Each request's new tokens: one, or a speculating request's accepted run, cut at a stop
+        token or its length; its rejected drafts' KV is freed at once."""
+        tokens = result.next_token_ids.tolist()
+        run_lens = result.accept_lens.tolist() if result.accept_lens is not None else None
+        logprobs = LogprobRows(result) if result.token_logprobs is not None else None
         if result.prompt_logprobs is not None:
             record_prompt_logprobs(batch, result)
+        draft_lens = batch.draft_lens
         stats = self.stats
         stats.count_step(batch)
         context_len = self.config.context_len
-        for req, emits, token in zip(batch.reqs, batch.emits, next_token_ids):
+        end = 0
+        for i, (req, emits) in enumerate(zip(batch.reqs, batch.emits)):
+            start, end = end, end + (run_lens[i] if run_lens else 1)
             if req.finished:  # aborted, or ended by the step before (overlap): drop its token
                 continue
             if not emits:
@@ -219,14 +242,27 @@ class Scheduler:
                 self.kv.release(req)
                 self.outbox.append(next_output(req))
                 continue
-            req.resolve_output(token)
-            if req.seen is not None:
-                req.seen = req.seen.with_output(token)
-            stats.gen_tokens_since_log += 1
-            if req.grammar is not None:
-                accept_token(req, token)  # a complete grammar ends it (stop)
-            if req.finished_reason is None:
-                req.check_finished(token, context_len)
+            for at in range(start, end):
+                token = tokens[at]
+                if at == start:
+                    req.resolve_output(token)
+                else:  # a speculating request has nothing else in flight
+                    req.output_ids.append(token)
+                if logprobs is not None and req.return_logprob:
+                    logprobs.record(req, at)
+                if req.seen is not None:
+                    req.seen = req.seen.with_output(token)
+                stats.gen_tokens_since_log += 1
+                if req.grammar is not None:
+                    accept_token(req, token)  # a complete grammar ends it (stop)
+                if req.finished_reason is None:
+                    req.check_finished(token, context_len)
+                if req.finished_reason is not None:
+                    break
+            if draft_lens and draft_lens[i]:
+                assert self.drafter is not None
+                self.drafter.record(req, draft_lens[i], end - start - 1)
+                self.kv.drop_tail(req, req.num_tokens - 1)  # the accepted tokens' KV stays
             if req.finished_reason is not None:
                 self._remove(req)
                 self.kv.release(req)
@@ -238,7 +274,8 @@ class Scheduler:
             stats.num_decode_steps += 1
             self.new_token_ratio.decay()
             if stats.num_decode_steps % self.config.log_interval == 0:
-                stats.log_decode(self.kv, len(self.running), len(self.waiting))
+                accept_length = self.drafter.stats.close_interval() if self.drafter else None
+                stats.log_decode(self.kv, len(self.running), len(self.waiting), accept_length)
         if batch.num_decodes < len(batch.reqs):
             stats.log_prefill(batch, self.kv, len(self.running), len(self.waiting))
 
@@ -306,11 +343,46 @@ class Scheduler:
             self.new_token_ratio.value,
         )
 
-    def _admit_waiting(self, prefill_budget: int) -> list[Planned]:
+    # ---- speculation -------------------------------------------------------------------------
+
+    def _may_speculate(self) -> bool:
+        return self.drafter is not None and self.drafter.step_speculates(len(self.running))
+
+    def _draft(self, plan: list[Planned]) -> list[list[int]] | None:
+        """Drafts for the plan's decodes, which then compute them too (plan entries grow), in
+        the step's token budget and the KV left after the plan: speculation never retracts.
+        Each decode's drafts, in plan order; None when there are none."""
+        if self.in_flight is not None:  # its requests' last tokens are not known yet
+            return None
+        assert self.drafter is not None
+        planned = sum(n for _, n, _ in plan)
+        spare = min(self.config.max_prefill_tokens, self.kv.available) - planned
+        drafts: list[list[int]] = []
+        for i, (req, n, emits) in enumerate(plan):
+            draft: list[int] = []
+            if n == 1 and emits and spare > 0:
+                # The run (drafts + 1 token) stays within max_new_tokens, and the drafts' KV
+                # positions within the context.
+                limit = min(
+                    spare,
+                    req.remaining_new_tokens - 1,
+                    self.config.context_len - req.num_tokens,
+                )
+                draft = self.drafter.propose(req, limit)
+                if draft:
+                    plan[i] = (req, 1 + len(draft), True)
+                    spare -= len(draft)
+            drafts.append(draft)
+        return drafts if any(drafts) else None
+
+    def _admit_waiting(self, prefill_budget: int, num_drafts: int = 0) -> list[Planned]:
+        """Waiting requests for this step; `num_drafts`: KV slots the step's drafts take."""
         ratio = self.new_token_ratio.value
         adder = PrefillAdder(
             token_budget=prefill_budget,
-            free_kv=self.kv.available - sum(reserved_tokens(r, ratio) for r in self.running),
+            free_kv=self.kv.available
+            - num_drafts
+            - sum(reserved_tokens(r, ratio) for r in self.running),
             running_slots=self.config.max_running_requests - len(self.running),
             ratio=ratio,
         )
@@ -338,8 +410,17 @@ class Scheduler:
         return True
 
     def server_info(self) -> ServerInfoReply:
-        return self.stats.server_info(
+        info = self.stats.server_info(
             self.kv, len(self.running), len(self.waiting), self.config.max_running_requests
+        )
+        if self.drafter is None:
+            return info
+        spec = self.drafter.stats
+        return msgspec.structs.replace(
+            info,
+            spec_verifies=spec.verifies,
+            spec_draft_tokens=spec.drafts,
+            spec_accepted_tokens=spec.accepted,
         )
 
     def check_invariants(self, batch: ScheduleBatch | None) -> None:
@@ -361,8 +442,10 @@ class Scheduler:
         if batch is not None:
             require(batch.num_tokens <= cfg.max_prefill_tokens, "the step went over its budget")
             require(all(n > 0 for n in batch.extend_lens), "a request computes nothing")
+            drafts = batch.draft_lens or [0] * len(batch.reqs)
             require(
-                sum(n for n in batch.extend_lens if n > 1) <= cfg.chunked_prefill_size,
+                sum(n for n, d in zip(batch.extend_lens, drafts) if n > 1 and not d)
+                <= cfg.chunked_prefill_size,
                 "the step's prompt tokens went over --chunked-prefill-size",
             )
         self.kv.check(self.running)

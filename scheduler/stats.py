@@ -34,7 +34,7 @@ class SchedulerStats:
     def count_step(self, batch: ScheduleBatch) -> None:
         self.num_steps += 1
         self.num_mixed_steps += batch.is_mixed
-        self.num_prefill_tokens += batch.num_tokens - batch.num_decodes
+        self.num_prefill_tokens += batch.num_tokens - batch.num_decodes - batch.num_draft_tokens
 
     def log_prefill(
         self, batch: ScheduleBatch, kv: KVManager, num_running: int, num_waiting: int
@@ -50,16 +50,21 @@ class SchedulerStats:
             num_waiting,
         )
 
-    def log_decode(self, kv: KVManager, num_running: int, num_waiting: int) -> None:
-        """The decode log line, with the throughput since the previous one."""
+    def log_decode(
+        self, kv: KVManager, num_running: int, num_waiting: int, accept_length: float | None
+    ) -> None:
+        """The decode log line, with the throughput since the previous one, and with speculation
+        its accept length (SGLang's: tokens per verifying request step)."""
         self.gen_throughput = self.gen_tokens_since_log / max(self.busy_time_since_log, 1e-9)
         self.gen_tokens_since_log, self.busy_time_since_log = 0, 0.0
+        spec = "" if accept_length is None else f"accept len: {accept_length:.2f}, "
         logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
             "gen throughput (token/s): %.2f, #queue-req: %d",
             num_running,
             kv.used,
             kv.used / kv.max_total_tokens,
+            spec,
             self.gen_throughput,
             num_waiting,
         )

@@ -340,3 +340,17 @@ def test_detokenizer_process_over_ipc(model_dir, tokenizer):
             proc.join()
         ctx.destroy(linger=0)
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def test_two_outputs_of_one_request_in_one_step_are_decoded_in_turn(tokenizer):
+    """A speculating step can follow the step in flight within one scheduler step: both
+    outputs of a request then reach the detokenizer together."""
+    ids = tokenizer("fixtures fixtures and a caf\u00e9 by the sea").input_ids
+    apart = stream(IncrementalDetokenizer(tokenizer), "r", [ids[:3], ids[3:5], ids[5:]])
+    detok = IncrementalDetokenizer(tokenizer)
+    (first,), _ = detok.step([token_out("r", ids[:3])])
+    together, _ = detok.step(
+        [token_out("r", ids[3:5], first=False), token_out("r", ids[5:], LENGTH, first=False)]
+    )
+    assert [first.text, *(o.text for o in together)] == apart
+    assert "".join(apart) == tokenizer.decode(ids, skip_special_tokens=True)

@@ -42,6 +42,9 @@ def test_a_broadcast_batch_decodes_to_the_batch_sent() -> None:
     # Each sequence's slots travel, not the padding: more of it changes no byte.
     wider = replace(batch, kv_slots=torch.nn.functional.pad(batch.kv_slots, (0, 100)))
     assert encode_batch(wider) == data
+    # A speculating batch: its followers verify the same drafts (its sequences' last inputs).
+    drafted = replace(batch, draft_lens=torch.tensor([3, 0, 1]))
+    assert_same(decode_batch(encode_batch(drafted)), drafted)
 
 
 def test_a_broadcast_batch_whose_lengths_disagree_is_refused() -> None:

@@ -168,13 +168,17 @@ def _batch(input_ids: torch.Tensor, sampling: Any) -> ModelWorkerBatch:
 
 SERVER_ARGS = ("--max-total-tokens", "1200", "--chunked-prefill-size", "48")
 SERVER_ARGS += ("--max-prefill-tokens", "96", "--check-invariants")
+SPECULATIVE = ("--speculative-algorithm", "NGRAM", "--speculative-disable-by-batch-size", "3")
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_served_model):
     model = str(tiny_served_model)
     with (
-        launched_server("--model", model, "--enable-overlap-schedule", *SERVER_ARGS) as overlap,
+        # NGRAM too, once at most 3 requests run: steps overlap at first, speculate at the end.
+        launched_server(
+            "--model", model, "--enable-overlap-schedule", *SERVER_ARGS, *SPECULATIVE
+        ) as overlap,
         # The modules op by op here, the fused layers there (the default): the same tokens too.
         launched_server(
             "--model", model, "--disable-overlap-schedule", "--disable-fused-layers", *SERVER_ARGS
@@ -255,3 +259,4 @@ def test_servers_with_and_without_overlap_give_the_same_tokens(servers) -> None:
     assert any(0 < len(v[0][0]) < 24 for v in joined["off"].values())  # a stop string hit
     for mode, i in info.items():
         assert i.running_requests == 0 and i.kv_tokens_used == 0, mode
+    assert info["overlap"].spec_verifies > 0 and info["off"].spec_verifies == 0

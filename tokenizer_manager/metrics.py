@@ -41,6 +41,10 @@ class Metrics:
         self.token_usage = gauge("token_usage", "Fraction of the KV cache in use.")
         self.cache_hit_rate = gauge("cache_hit_rate", "Prefix cache hit rate.")
         self.gen_throughput = gauge("gen_throughput", "Generation throughput (token/s).")
+        self.spec_accept_length = gauge(
+            "spec_accept_length",
+            "Speculative decoding: tokens per verifying request step, since the start.",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the cache.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -86,4 +90,5 @@ class Metrics:
         self.token_usage.set(info.kv_tokens_used / max(info.kv_tokens_total, 1))
         self.cache_hit_rate.set(info.cache_hit_rate)
         self.gen_throughput.set(info.gen_throughput)
+        self.spec_accept_length.set(info.spec_accept_length)
         return generate_latest(self.registry)
