@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from test_sampler import make_info
@@ -263,6 +264,13 @@ def greedy_requests() -> list[TokenizedGenerateReq]:
     reqs = [request(f"r{i}", p, 40) for i, p in enumerate(repetitive_prompts(32))]
     reqs[3] = request("r3lp", reqs[3].input_ids, 40)  # logprobs are the target's
     reqs[5] = request("r5pen", reqs[5].input_ids, 40, frequency_penalty=0.5)  # never drafts
+    # Never draft either: a bias and a minimum length are rows of one sequence each.
+    reqs[7] = request("r7bias", reqs[7].input_ids, 40, logit_bias={5: 3.0, 9: -100.0})
+    reqs[9] = request("r9min", reqs[9].input_ids, 40, min_new_tokens=30, ignore_eos=False)
+    # Its prompt's logprobs are computed in a step that verifies others' drafts.
+    reqs[11] = msgspec.structs.replace(
+        request("r11lp", reqs[11].input_ids, 40), logprob_start_len=0
+    )
     return reqs
 
 
