@@ -178,13 +178,18 @@ def main(
     doc: str,
     not_replayable: Sequence[tuple[str, str]] = (),
 ) -> int:
-    """The command line of a replay_issueN.py: `--only` picks the tests whose id has it.
+    """The command line of a replay_issueN.py: `--only` picks the tests whose id has it (any of
+    them, given more than once).
     `not_replayable` (bullet, why) are printed after the table."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--before", default=before_commit, help="the commit before the fixes")
-    parser.add_argument("--only", default="", help="replay only the tests whose id has this")
+    parser.add_argument(
+        "--only", action="append", help="replay only the tests whose id has this (repeatable)"
+    )
     args = parser.parse_args()
-    rows = run_cases([case for case in cases if args.only in case.test], args.before, issue)
+    only = args.only or [""]
+    chosen = [case for case in cases if any(part in case.test for part in only)]
+    rows = run_cases(chosen, args.before, issue)
     print_table(rows, args.before, issue)
     for bullet, why in not_replayable:
         print(f"not replayable: {bullet}: {why}")

@@ -1,7 +1,7 @@
 """Replays issue 13's regression tests on the code from before its fixes, and on this tree: each
 must fail there, for its bug's reason, and pass here.
 
-    python tests/replay_issue13.py [--before c54c254] [--only SUBSTRING]
+    python tests/replay_issue13.py [--before c54c254] [--only SUBSTRING ...]
 
 How: tests/replay.py.
 """

@@ -35,7 +35,7 @@ def test_cache_aware_routing_keeps_both_replicas_busy(tiny_served_model: Path) -
                 reply = wire.receive(timeout=120)
                 assert reply["type"] == "output", reply
                 finished += bool(reply["finished"])
-            wire.send({"type": "server_info", "rid": "info"})
+            wire.send({"type": "server_info"})
             info = wire.receive()
             assert info["type"] == "server_info", info
         finally:
