@@ -5,9 +5,9 @@ tests/replay_issue22.py list their cases and call `main`.
 It checks the commit before the fixes out into a throwaway git worktree, puts this tree's tests/
 over its tests/, and runs each test in a pytest of its own, first on that tree and then on this
 one, each tree first on PYTHONPATH as `radixserve` (pytest's header says which one it imported,
-and the replay checks it). A failure counts as red only when its message names the bug (`why`):
-an ImportError, a missing flag or a fixture that cannot start is not. Exits 1 unless every test
-is red, then green.
+and the replay checks it). A failure counts as red only when its message names the bug (`why`,
+a regex searched in the whole message): an ImportError, a missing flag or a fixture that cannot
+start is not. Exits 1 unless every test is red, then green.
 
 The old tree builds its CPU kernels in a cache of its own (the variable RADIXSERVE_KERNEL_CACHE
 with "-before-<commit>" added, kept between replays), so neither tree's build is redone or
@@ -43,10 +43,14 @@ class Case:
 @dataclass(frozen=True)
 class Outcome:
     result: str  # passed, failed, error, skipped, timeout
-    message: str  # the failure's first line, or why the run says nothing
+    message: str  # the failure's whole message, or why the run says nothing
 
-    def short(self) -> str:
-        return self.result if not self.message else f"{self.result}: {self.message[:60]}"
+    def short(self, why: str = "") -> str:
+        """The result and the message's line that `why` finds (else its first line)."""
+        lines = self.message.strip().splitlines()
+        found = [line for line in lines if why and re.search(why, line)]
+        shown = (found or lines or [""])[0].strip()
+        return self.result if not shown else f"{self.result}: {shown[:60]}"
 
 
 def run_test(tree: Path, test: str, scratch: Path, env: dict[str, str]) -> Outcome:
@@ -91,8 +95,8 @@ def _case_outcome(case: ET.Element) -> Outcome:
     for kind in ("error", "failure", "skipped"):
         found = case.find(kind)
         if found is not None:
-            first_line = (found.get("message") or "").strip().split("\n")[0]
-            return Outcome({"failure": "failed"}.get(kind, kind), first_line)
+            message = (found.get("message") or "").strip()
+            return Outcome({"failure": "failed"}.get(kind, kind), message)
     return Outcome("passed", "")
 
 
@@ -126,7 +130,7 @@ def print_table(rows: list[Row], commit: str, issue: int) -> None:
         (
             r.case.bullet,
             r.case.test.split("::")[-1],
-            r.before.short(),
+            r.before.short(r.case.why),
             r.after.short(),
             "yes" if r.red_then_green else "NO",
         )
@@ -162,7 +166,8 @@ def run_cases(cases: Sequence[Case], before_commit: str, issue: int) -> list[Row
                         run_test(REPO, case.test, scratch, {}),
                     )
                 )
-                print(f"  before: {rows[-1].before.short()}\n  after:  {rows[-1].after.short()}")
+                before_line, after_line = rows[-1].before.short(case.why), rows[-1].after.short()
+                print(f"  before: {before_line}\n  after:  {after_line}")
         finally:
             subprocess.run(
                 ["git", "-C", str(REPO), "worktree", "remove", "--force", str(scratch / "before")],

@@ -64,12 +64,12 @@ CASES = [
     Case(
         SECURITY,
         "tests/test_launch.py::test_the_api_key_comes_from_the_environment_too",
-        "RADIXSERVE_API_KEY",
+        "assert None == 'from-env'",  # the server's key is not read from RADIXSERVE_API_KEY
     ),
     Case(
         SECURITY,
-        "tests/test_client.py::test_an_api_key_goes_with_every_request",
-        "api_key",
+        OPS + "test_radixserve_client_reaches_a_server_with_an_api_key",
+        "radixserve-client is locked out by --api-key",
     ),
     Case(SECURITY, HTTP + "test_flush_cache_is_post_only", "GET /flush_cache flushed the cache"),
     Case(
@@ -80,12 +80,22 @@ CASES = [
     Case(SECURITY, OPS + "test_sighup_drains_like_sigterm", "SIGHUP not handled"),
     Case(
         SECURITY,
+        "tests/test_launch.py::test_a_child_whose_parent_died_before_pdeathsig_was_set_exits",
+        r"assert \(True and not True\)",  # it started, and survived its parent
+    ),
+    Case(
+        SECURITY,
         OPS + "test_each_server_process_is_named_by_its_role",
         "not named by role in ps: .*multiprocessing.spawn",
     ),
     Case(
         SHAPES,
-        CHECKS + "test_paged_attention_refuses_what_disagrees[a slot past the pool]",
+        CHECKS + "test_paged_attention_refuses_what_disagrees[v_cache smaller]",
+        "DID NOT RAISE",
+    ),
+    Case(
+        SHAPES,
+        CHECKS + "test_paged_attention_refuses_what_disagrees[v shorter than k]",
         "DID NOT RAISE",
     ),
     Case(
@@ -101,12 +111,12 @@ CASES = [
     Case(
         FIRST_HOUR,
         "tests/test_commands.py::test_every_readme_example_addresses_the_quick_start_server",
-        "30081|30001",
+        "30081|30001",  # the old README's ports, not the quick start's
     ),
     Case(
         FIRST_HOUR,
         "tests/test_client.py::test_generate_of_n_completions_is_a_usage_error",
-        "ValueError",
+        r"ValueError: generate\(\) returns one completion",
     ),
     Case(FIRST_HOUR, OPS + "test_the_last_log_line_says_stopped", "the last log line is not"),
 ]
