@@ -109,11 +109,6 @@ CASES = [
         "DID NOT RAISE",
     ),
     Case(
-        SHAPES,
-        R + "test_int8_scales.py::test_a_subnormal_channel_scale_gives_zeros_not_garbage",
-        "was inverted to infinity",
-    ),
-    Case(
         FIRST_HOUR,
         "tests/test_commands.py::test_every_readme_example_addresses_the_quick_start_server",
         "30081|30001",  # the old README's ports, not the quick start's
@@ -150,6 +145,12 @@ NOT_REPLAYABLE = [
         "zero KV heads (SIGFPE), a slot past the pool (abort) and a negative slot (SIGSEGV) kill "
         "the old tree's pytest, so they read as errors, not failures; the cases above are the "
         "bad shapes it runs through without a word",
+    ),
+    (
+        SHAPES + " (subnormal int8 scale)",
+        "on x86 the infinite 1/scale casts to int8 0, so the old products come out 0 all the same; "
+        "only the scale itself differs (test_quantization.py checks it, with names the old tree "
+        "lacks)",
     ),
     (
         SHAPES + " (AVX2 -128)",
