@@ -51,7 +51,7 @@ def test_sighup_drains_like_sigterm(tiny_served_model: Path) -> None:
         try:
             code = server.proc.wait(30)
         except subprocess.TimeoutExpired:
-            pytest.fail("the server is still up 30 s after SIGHUP")
+            pytest.fail("SIGHUP not handled: the server is still up 30 s after it")
         assert code == 0, f"SIGHUP not handled: the launcher exited with {code}"
 
 
