@@ -1,0 +1,63 @@
+"""Issue 22, "security and operations" and "first hour", from the command line and the wire:
+control queries that wait on a stuck scheduler for ever, SIGHUP not handled, children that show
+in `ps` as `python3 -B -c from multiprocessing.spawn ...`, and a shutdown whose last log line is
+not "stopped"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from regression_wire import server_flags
+
+from radixserve.client.local_server import LaunchedServer, launched_server
+
+CONTROL_WAIT_S = 30  # well past the server's own timeout for a control query
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
+def test_health_answers_in_bounded_time_while_the_scheduler_is_stuck(
+    small_server: LaunchedServer,
+) -> None:
+    scheduler = small_server.server_processes()[0]  # the first one launch.py starts
+    os.kill(scheduler, signal.SIGSTOP)  # as in a long CPU prefill: there, but not answering
+    try:
+        reply = httpx.get(f"{small_server.http_url}/health", timeout=CONTROL_WAIT_S)
+    except httpx.TimeoutException:
+        pytest.fail(f"/health waited {CONTROL_WAIT_S} s on a stuck scheduler: no timeout")
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    assert reply.status_code == 503, reply.text
+
+
+def test_each_server_process_is_named_by_its_role(small_server: LaunchedServer) -> None:
+    names = [_cmdline(pid) for pid in small_server.children()]
+    servers = [name for name in names if "resource_tracker" not in name]
+    assert len(servers) == 3, names
+    unnamed = [name for name in servers if not name.startswith("radixserve: ")]
+    assert not unnamed, f"server processes not named by role in ps: {unnamed}"
+
+
+def test_sighup_drains_like_sigterm(tiny_served_model: Path) -> None:
+    with launched_server("--model", str(tiny_served_model), *server_flags()) as server:
+        server.proc.send_signal(signal.SIGHUP)  # a closed terminal
+        try:
+            code = server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("SIGHUP not handled: the server is still up 30 s after it")
+        assert code == 0, f"SIGHUP not handled: the launcher exited with {code}"
+
+
+def test_the_last_log_line_says_stopped(tiny_served_model: Path) -> None:
+    with launched_server("--model", str(tiny_served_model), *server_flags()) as server:
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(30)
+        last = server.log().strip().splitlines()[-1]
+    assert "stopped" in last, f"the last log line is not 'stopped': {last!r} (exit code {code})"
