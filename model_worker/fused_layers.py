@@ -15,7 +15,7 @@ import torch
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.forward_batch import ForwardBatch
 from radixserve.model_worker.fused_ops import small_kernel_rows
-from radixserve.model_worker.packed_linear import PackedWeight
+from radixserve.model_worker.packed_linear import Panels, PackedWeight
 from radixserve.model_worker.quantization import Int8Weight
 from radixserve.model_worker.weight_format import PreparedWeight
 
@@ -29,10 +29,11 @@ def linear_kernel(
     linear = torch.classes.radixserve.Linear
     small_rows = small_kernel_rows(weight)
     if isinstance(weight, Int8Weight):
-        return linear("int8", weight.q, weight.scale, bias, small_rows)
+        return linear("int8", weight.q, weight.scale, bias, small_rows, 0, 0)
     if isinstance(weight, PackedWeight):
-        return linear("packed", weight.packed, None, bias, small_rows)
-    return linear("dense", weight, None, bias, small_rows)
+        panels = weight.panels or Panels(0, 0)
+        return linear("packed", weight.packed, None, bias, small_rows, panels.block, panels.k_pad)
+    return linear("dense", weight, None, bias, small_rows, 0, 0)
 
 
 class FusedDecoderLayers:

@@ -19,6 +19,9 @@ from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat
 
 # Rows up to which linear_small_m beats BLAS here (the extension's kMaxSmallM).
 SMALL_M = 8
+# Rows up to which linear_panels beats oneDNN on the same float32 weight (benchmarks/RESULTS.md,
+# "One copy, and one row in float32"); at most the extension's kMaxPanelRows.
+PANEL_ROWS = 4
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -77,6 +80,7 @@ class CpuKernelOps(TorchOps):
         self._rotary = ops.rotary_embedding.default
         self._silu_and_mul = ops.silu_and_mul.default
         self._linear_small_m = ops.linear_small_m.default
+        self._linear_panels = ops.linear_panels.default
         self._argmax_rows = ops.argmax_rows.default
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,9 +104,16 @@ class CpuKernelOps(TorchOps):
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor | PreparedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        small = x.shape[0] < small_kernel_rows(weight) and x.is_contiguous()
+        if isinstance(weight, PackedWeight):
+            if small:
+                assert weight.panels is not None
+                n, _ = weight.shape
+                block, k_pad = weight.panels.block, weight.panels.k_pad
+                return self._linear_panels(x, weight.packed, n, k_pad, block, bias)
+            return weight.matmul(x, bias)
         if not isinstance(weight, torch.Tensor):
             return weight.matmul(x, bias)
-        small = x.shape[0] < small_kernel_rows(weight) and x.is_contiguous()
         return self._linear_small_m(x, weight, bias) if small else F.linear(x, weight, bias)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
@@ -123,11 +134,13 @@ def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
     if isinstance(weight, Int8Weight):
         return int8_small_rows()
     if isinstance(weight, PackedWeight):
-        # oneDNN at every row count: the plain weight linear_small_m reads is not kept (one copy
-        # of the weights; packed_linear.py). In bfloat16 this also keeps a row's result the same
-        # whatever the batch, so a prompt answered from the prefix cache gets the greedy tokens it
-        # got computed whole (linear_small_m sums in another order, which bf16 rounding shows).
-        return 0
+        # float32 in oneDNN's panels: linear_panels reads them for a few rows. Otherwise (bfloat16,
+        # or a layout it does not read) oneDNN at every row count: the plain weight that
+        # linear_small_m reads is not kept (packed_linear.py). In bfloat16 this also keeps a row's
+        # result the same whatever the batch, so a prompt answered from the prefix cache gets the
+        # greedy tokens it got computed whole (another kernel sums in another order, which bf16
+        # rounding shows).
+        return PANEL_ROWS + 1 if weight.panels is not None else 0
     return SMALL_M + 1
 
 

@@ -12,12 +12,12 @@ import torch
 from test_attention import make_batch, run_backend
 
 from radixserve.model_worker.cpu_features import has_native_bf16
-from radixserve.model_worker.fused_ops import SMALL_M, CpuKernelOps, TorchOps
+from radixserve.model_worker.fused_ops import PANEL_ROWS, SMALL_M, CpuKernelOps, TorchOps
 from radixserve.model_worker.kernel_selection import select_kernels
 from radixserve.model_worker.kv_pool import TokenToKVPool
 from radixserve.model_worker.layers import ColumnParallelLinear
 from radixserve.model_worker.model_runner import ModelRunner
-from radixserve.model_worker.packed_linear import PackedWeight
+from radixserve.model_worker.packed_linear import PackedWeight, find_panels
 from radixserve.model_worker.parallel import TPGroup
 
 CPU = torch.device("cpu")
@@ -144,6 +144,32 @@ def test_fused_ops_equal_torch(kernel_ops, rows: int) -> None:
         torch.testing.assert_close(kernel_ops.linear(x, packed, b), expected, atol=1e-4, rtol=1e-5)
 
 
+def test_linear_panels_reads_the_float32_weight_onednn_keeps(kernel_ops) -> None:
+    """oneDNN keeps a float32 weight in panels of output channels (on AVX2 and AVX-512 alike);
+    PackedWeight finds them, checked value by value, and linear_panels on that one copy equals
+    torch's matmul for every row count it takes. A layout that is not the weight's is refused."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(192, 72, generator=gen)  # 3 panels of 64; K not a multiple of 16
+    bias = torch.randn(192, generator=gen)
+    packed = PackedWeight(weight)
+    assert packed.panels is not None
+    linear_panels = torch.ops.radixserve.linear_panels
+    for rows in range(1, 5):
+        x = torch.randn(rows, 72, generator=gen)
+        for b in (None, bias):
+            expected = torch.nn.functional.linear(x, weight, b)
+            got = linear_panels(x, packed.packed, 192, packed.panels.k_pad, packed.panels.block, b)
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+            if rows <= PANEL_ROWS:  # what the model runs for these rows
+                assert torch.equal(kernel_ops.linear(x, packed, b), got)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        linear_panels(torch.randn(5, 72), packed.packed, 192, packed.panels.k_pad, 64, None)
+    changed = weight.clone()
+    changed[100, 7] += 1
+    assert find_panels(changed, packed.packed) is None
+    assert PackedWeight(weight.to(BF16)).panels is None  # bfloat16: oneDNN at every row count
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])
 # A row of fewer elements than a vector, one of blocks and a tail, a vocabulary's width.
 @pytest.mark.parametrize("width", [5, 1000, 151936])
@@ -226,8 +252,10 @@ def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
     ran = {e.key for e in prof.key_averages()}
     for op in ("paged_attention", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
         assert f"radixserve::{op}" in ran
-    # The one-row LM head too: only the oneDNN copy of a weight is kept.
+    # The one-row LM head too: only the oneDNN copy of a weight is kept, which float32 reads in
+    # its panels for a few rows.
     assert "radixserve::linear_small_m" not in ran
+    assert ("radixserve::linear_panels" in ran) == (dtype == torch.float32)
     assert "mkldnn::_linear_pointwise" in ran  # the prompt's projections
     assert "aten::scaled_dot_product_attention" not in ran
 

@@ -15,7 +15,7 @@ from test_sampler import make_info
 from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.forward_batch import ForwardBatch
-from radixserve.model_worker.fused_ops import SMALL_M, CpuKernelOps
+from radixserve.model_worker.fused_ops import PANEL_ROWS, SMALL_M, CpuKernelOps
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.parallel import TPGroup
 from radixserve.model_worker.quantization import INT8_GEMM_MIN_ROWS, int8_small_rows
@@ -38,7 +38,7 @@ CONFIGS = [
     ),
 ]
 # Rows per step, each side of every kernel threshold: the row count picks the kernel.
-THRESHOLDS = (SMALL_M + 1, INT8_GEMM_MIN_ROWS)
+THRESHOLDS = (PANEL_ROWS + 1, SMALL_M + 1, INT8_GEMM_MIN_ROWS)
 STEP_ROWS = sorted({1, 12} | set(THRESHOLDS) | {t - 1 for t in THRESHOLDS})
 
 

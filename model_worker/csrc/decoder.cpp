@@ -28,16 +28,24 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 }  // namespace
 
 // One linear layer, y = x W^T + b, and its two kernels: below `small_rows` rows (contiguous x)
-// the extension's own (linear_small_m, int8_linear), from there on the BLAS-like one (F.linear,
-// oneDNN on the packed weight, oneDNN's int8 matmul). Python picks `small_rows` from the
-// constants its own path uses (fused_layers.py), so both pick the same kernel for a row count.
+// the extension's own (linear_small_m, linear_panels, int8_linear), from there on the BLAS-like
+// one (F.linear, oneDNN on the packed weight, oneDNN's int8 matmul). Python picks `small_rows`
+// from the constants its own path uses (fused_layers.py), so both pick the same kernel for a row
+// count.
 class Linear : public torch::CustomClassHolder {
  public:
   // kind "dense": `weight` float; "packed": `weight` reordered for oneDNN (no plain copy is
-  // kept: oneDNN at every row count); "int8": `weight` int8 and `aux` its per-channel scales.
+  // kept), in float32 panels of `panel_block` channels by `panel_k_pad` where linear_panels reads
+  // it below `small_rows` (packed_linear.Panels; else 0 and oneDNN at every row count); "int8":
+  // `weight` int8 and `aux` its per-channel scales.
   Linear(const std::string& kind, at::Tensor weight, c10::optional<at::Tensor> aux,
-         c10::optional<at::Tensor> bias, int64_t small_rows)
-      : weight_(std::move(weight)), bias_(std::move(bias)), small_rows_(small_rows) {
+         c10::optional<at::Tensor> bias, int64_t small_rows, int64_t panel_block,
+         int64_t panel_k_pad)
+      : weight_(std::move(weight)),
+        bias_(std::move(bias)),
+        small_rows_(small_rows),
+        panel_block_(panel_block),
+        panel_k_pad_(panel_k_pad) {
     if (kind == "dense") {
       kind_ = Kind::kDense;
     } else if (kind == "packed") {
@@ -52,6 +60,9 @@ class Linear : public torch::CustomClassHolder {
     if (aux.has_value()) aux_ = *aux;
     TORCH_CHECK(kind_ != Kind::kDense || small_rows_ <= kMaxSmallM + 1,
                 "Linear: linear_small_m takes at most ", kMaxSmallM, " rows");
+    TORCH_CHECK(kind_ != Kind::kPacked || small_rows_ == 0 ||
+                    (panel_block_ > 0 && small_rows_ <= kMaxPanelRows + 1),
+                "Linear: linear_panels takes panels and at most ", kMaxPanelRows, " rows");
   }
 
   at::Tensor forward(const at::Tensor& x) const {
@@ -61,7 +72,8 @@ class Linear : public torch::CustomClassHolder {
       case Kind::kDense:
         return small ? linear_small_m(x, weight_, bias_) : at::linear(x, weight_, bias_);
       case Kind::kPacked:
-        return onednn_linear(x, weight_, bias_);
+        return small ? linear_panels(x, weight_, weight_.size(0), panel_k_pad_, panel_block_, bias_)
+                     : onednn_linear(x, weight_, bias_);
       case Kind::kInt8: {
         if (small) return int8_linear(x, weight_, aux_, bias_);
         auto [xq, x_scale] = quantize_rows_int8(x);
@@ -76,7 +88,7 @@ class Linear : public torch::CustomClassHolder {
   Kind kind_ = Kind::kDense;
   at::Tensor weight_, aux_;
   c10::optional<at::Tensor> bias_;
-  int64_t small_rows_;
+  int64_t small_rows_, panel_block_, panel_k_pad_;
 };
 
 class DecoderLayers : public torch::CustomClassHolder {
@@ -158,7 +170,7 @@ class DecoderLayers : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.class_<Linear>("Linear")
       .def(torch::init<const std::string&, at::Tensor, c10::optional<at::Tensor>,
-                       c10::optional<at::Tensor>, int64_t>());
+                       c10::optional<at::Tensor>, int64_t, int64_t, int64_t>());
   m.class_<DecoderLayers>("DecoderLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecoderLayers::add_layer)

@@ -3,6 +3,9 @@
 // float32 or bfloat16 (accumulated in float32, rounded once).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <vector>
 
 #include "ops.h"
 #include "vec_utils.h"
@@ -39,7 +42,103 @@ void linear_m(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N)
   });
 }
 
+// Rows of x times a weight kept as oneDNN reorders float32 for its matmul (packed_linear.py):
+// panels of `Block` output channels, each [k_pad][Block] (K padded, with zeros), one after the
+// other. A panel's `Block` outputs are accumulated over k in registers, as rows_times_weight
+// does over a weight row, each in the same order whatever M.
+template <int M, int Block>
+void rows_times_panels(const float* x, const float* panels, const float* bias, float* y,
+                       int64_t K, int64_t k_pad, int64_t N, int64_t p_begin, int64_t p_end) {
+  constexpr int kVecs = Block / kLanes;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const float* panel = panels + p * k_pad * Block;
+    Vec acc[M][kVecs];
+    for (int m = 0; m < M; ++m) {
+      for (int v = 0; v < kVecs; ++v) acc[m][v] = Vec(0.f);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const float* wk = panel + k * Block;
+      for (int v = 0; v < kVecs; ++v) {
+        const Vec wv = Vec::loadu(wk + v * kLanes);
+        for (int m = 0; m < M; ++m) acc[m][v] = at::vec::fmadd(Vec(x[m * K + k]), wv, acc[m][v]);
+      }
+    }
+    const int64_t n0 = p * Block;
+    for (int m = 0; m < M; ++m) {
+      for (int v = 0; v < kVecs; ++v) {
+        Vec out = acc[m][v];
+        if (bias != nullptr) out = out + Vec::loadu(bias + n0 + v * kLanes);
+        out.store(y + m * N + n0 + v * kLanes);
+      }
+    }
+  }
+}
+
+template <int M, int Block>
+void linear_panels_m(const float* x, const float* panels, const float* bias, float* y, int64_t K,
+                     int64_t k_pad, int64_t N) {
+  at::parallel_for(0, N / Block, 1, [&](int64_t begin, int64_t end) {
+    rows_times_panels<M, Block>(x, panels, bias, y, K, k_pad, N, begin, end);
+  });
+}
+
+template <int Block>
+void linear_panels_block(const float* x, const float* panels, const float* bias, float* y,
+                         int64_t M, int64_t K, int64_t k_pad, int64_t N) {
+  switch (M) {
+    case 1: linear_panels_m<1, Block>(x, panels, bias, y, K, k_pad, N); break;
+    case 2: linear_panels_m<2, Block>(x, panels, bias, y, K, k_pad, N); break;
+    case 3: linear_panels_m<3, Block>(x, panels, bias, y, K, k_pad, N); break;
+    default: linear_panels_m<4, Block>(x, panels, bias, y, K, k_pad, N); break;
+  }
+}
+
+// torch's op `name` (mkldnn::data_ptr, mkldnn::_nbytes) on a oneDNN tensor: where its data
+// starts, how many bytes it takes (no ATen accessor reaches an opaque tensor's data).
+int64_t mkldnn_query(const c10::OperatorHandle& op, const at::Tensor& t) {
+  std::vector<c10::IValue> stack{t};
+  op.callBoxed(&stack);
+  return stack[0].toInt();
+}
+
+c10::OperatorHandle mkldnn_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
 }  // namespace
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_pad,
+                         int64_t block, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "linear_panels: contiguous float32 x [M, K]");
+  TORCH_CHECK(packed.is_mkldnn() && packed.scalar_type() == at::kFloat && packed.dim() == 2 &&
+                  packed.size(0) == n && packed.size(1) == x.size(1),
+              "linear_panels: a float32 weight [N, K] reordered by oneDNN");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= kMaxPanelRows, "linear_panels: 1 to ", kMaxPanelRows, " rows");
+  TORCH_CHECK((block == 16 || block == 32 || block == 64) && block % kLanes == 0 &&
+                  n % block == 0 && k_pad >= K,
+              "linear_panels: panels of ", block, " channels, N ", n, ", K ", K, " of ", k_pad);
+  static const c10::OperatorHandle nbytes = mkldnn_op("mkldnn::_nbytes");
+  static const c10::OperatorHandle data_ptr = mkldnn_op("mkldnn::data_ptr");
+  TORCH_CHECK(n * k_pad * static_cast<int64_t>(sizeof(float)) <= mkldnn_query(nbytes, packed),
+              "linear_panels: the packed weight is smaller than its panels");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat,
+                "linear_panels: bias shape or dtype");
+  }
+  at::Tensor y = at::empty({M, n}, x.options());
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = reinterpret_cast<const float*>(mkldnn_query(data_ptr, packed));
+  float* yp = y.data_ptr<float>();
+  switch (block) {
+    case 16: linear_panels_block<16>(xp, wp, bp, yp, M, K, k_pad, n); break;
+    case 32: linear_panels_block<32>(xp, wp, bp, yp, M, K, k_pad, n); break;
+    default: linear_panels_block<64>(xp, wp, bp, yp, M, K, k_pad, n); break;
+  }
+  return y;
+}
 
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias) {

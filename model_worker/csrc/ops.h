@@ -8,6 +8,7 @@
 namespace radixserve {
 
 constexpr int64_t kMaxSmallM = 8;  // rows linear_small_m takes; int8_linear's row blocks
+constexpr int64_t kMaxPanelRows = 4;  // rows linear_panels takes
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor& k_cache, at::Tensor& v_cache,
@@ -20,6 +21,8 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias);
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_pad,
+                         int64_t block, const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
                        const c10::optional<at::Tensor>& bias);

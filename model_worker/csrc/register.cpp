@@ -13,6 +13,9 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
+      "linear_panels(Tensor x, Tensor packed, int n, int k_pad, int block, Tensor? bias) -> "
+      "Tensor");
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) -> Tensor");
   m.def("dequantize_rows(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor");
@@ -30,4 +33,9 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("int8_linear", &radixserve::int8_linear);
   m.impl("dequantize_rows", &radixserve::dequantize_rows);
   m.impl("argmax_rows", &radixserve::argmax_rows);
+}
+
+// linear_panels reads a oneDNN tensor, which sends the call to this key.
+TORCH_LIBRARY_IMPL(radixserve, MkldnnCPU, m) {
+  m.impl("linear_panels", &radixserve::linear_panels);
 }
