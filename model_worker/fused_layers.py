@@ -15,7 +15,7 @@ import torch
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.forward_batch import ForwardBatch
 from radixserve.model_worker.fused_ops import small_kernel_rows
-from radixserve.model_worker.packed_linear import Panels, PackedWeight
+from radixserve.model_worker.packed_linear import PackedWeight, Panels
 from radixserve.model_worker.quantization import Int8Weight
 from radixserve.model_worker.weight_format import PreparedWeight
 
