@@ -4,6 +4,7 @@ refuses weights that do not fit before loading any (issue 21)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -108,3 +109,21 @@ def test_weights_that_do_not_fit_are_refused_before_loading(tmp_path: Path) -> N
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotEnoughMemory, match=r"^the weights take [\d.]+ GB \(torch.float32\) "):
         runner(tmp_path, torch.float32, None)
+
+
+def test_the_lm_head_loads_first(tiny_model, caplog) -> None:
+    """The LM head is read before the other weights, from whichever file holds it (one of the
+    last here, as an 8B's): the plain copy oneDNN reorders it from lies beside nothing else
+    loaded, instead of beside all the weights."""
+    path = tiny_model("qwen3", max_shard_size="40KB", tie_word_embeddings=False)
+    files = safetensors_files(path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    head_file = index["lm_head.weight"]
+    head_number = [f.name for f in files].index(head_file) + 1
+    assert head_number > 2
+    with caplog.at_level(logging.INFO, logger="radixserve.model_worker.loader"):
+        runner(path, torch.float32, None)
+    loads = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Loading weights")]
+    assert loads[0].startswith(f"Loading weights (the LM head first): file {head_number}/")
+    assert head_file in loads[0]
+    assert "LM head" not in "".join(loads[1:])
