@@ -2,6 +2,7 @@
 tune to and of models too large to download here.
 
     python benchmarks/random_model.py OUT_DIR [--shape qwen2-0.5b|qwen3-8b|default-8-heads]
+                                      [--untied] [--shard-gb 2]
 
 - `qwen2-0.5b`: Qwen2-0.5B's shape (24 layers, hidden 896, 14/2 heads, intermediate 4864, vocab
   151936, tied embeddings, q/k/v biases).
@@ -9,6 +10,9 @@ tune to and of models too large to download here.
   151936, q/k norms, untied): 16.4 GB.
 - `default-8-heads` (the default): the default model with 8 query and 2 KV heads instead of 9 and 3
   (head_dim 72: the same widths and FLOPs per token), so that it runs on --tp-size 2 and 4 too.
+
+`--untied` gives the model an LM head of its own (last in the last file, as an 8B's: what the
+loader's peak depends on); `--shard-gb` caps each file's size.
 
 The tokenizer is the default model's, whose vocabulary is smaller than these models' (as real
 Qwen models have more embedding rows than tokens). The safetensors shards are written one at a
@@ -31,7 +35,6 @@ from safetensors.torch import save_file
 from radixserve.model_worker.model_source import default_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-SHARD_BYTES = 2 * 1024**3
 INIT_STD = 0.02  # small enough that 36 layers of random weights keep the activations finite
 
 QWEN2_0_5B = {
@@ -115,7 +118,7 @@ def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> to
     return (torch.randn(shape, generator=gen) * INIT_STD).to(torch.bfloat16)
 
 
-def write_shards(config: dict[str, Any], out_dir: Path, seed: int) -> int:
+def write_shards(config: dict[str, Any], out_dir: Path, seed: int, shard_bytes_max: int) -> int:
     """Writes the safetensors shards and their index; returns the bytes written."""
     gen = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
@@ -134,7 +137,7 @@ def write_shards(config: dict[str, Any], out_dir: Path, seed: int) -> int:
 
     for name, shape in checkpoint_shapes(config):
         tensor = random_tensor(name, shape, gen)
-        if shard and shard_bytes + tensor.nbytes > SHARD_BYTES:
+        if shard and shard_bytes + tensor.nbytes > shard_bytes_max:
             flush()
         shard[name] = tensor
         shard_bytes += tensor.nbytes
@@ -161,8 +164,12 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--shape", choices=SHAPES, default="default-8-heads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--untied", action="store_true", help="an LM head of its own")
+    parser.add_argument("--shard-gb", type=float, default=2 * 1024**3 / 1e9)
     args = parser.parse_args()
     config = SHAPES[args.shape]()
+    if args.untied:
+        config["tie_word_embeddings"] = False
     source = default_model_dir()
     special = json.loads((source / "config.json").read_text())
     for key in ("bos_token_id", "eos_token_id"):
@@ -175,7 +182,7 @@ def main() -> None:
     for name in TOKENIZER_FILES:
         if (source / name).exists():
             shutil.copy(source / name, args.out_dir / name)
-    total = write_shards(config, args.out_dir, args.seed)
+    total = write_shards(config, args.out_dir, args.seed, int(args.shard_gb * 1e9))
     print(f"{args.out_dir}: {args.shape}, {total / 1e9:.2f} GB of bfloat16 weights")
 
 

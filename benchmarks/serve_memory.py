@@ -67,7 +67,9 @@ def main() -> None:
         body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8}}
         body["sampling_params"]["temperature"] = 0
         request = urllib.request.Request(
-            f"http://127.0.0.1:{HTTP_PORT}/generate", data=json.dumps(body).encode()
+            f"http://127.0.0.1:{HTTP_PORT}/generate",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=600) as reply:
             answer = json.loads(reply.read())

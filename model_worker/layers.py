@@ -338,9 +338,10 @@ class ParallelLMHead(PreparedLinear):
         self._init_weight(self.rows_per_rank, hidden_size, weight_format, dtype, device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size], on every rank."""
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in the model's dtype, on every rank
+        (a greedy step's argmax reads bfloat16 as well: no float32 pass over the vocabulary)."""
         logits = self.tp.all_gather(self.ops.linear(hidden, self.weight, None), dim=-1)
-        return logits[:, : self.vocab_size].float()
+        return logits[:, : self.vocab_size]
 
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         _check_shape((self.vocab_size, self.hidden_size), loaded.shape)

@@ -125,7 +125,7 @@ class ModelRunner:
         else:
             rows = verify_rows(batch.extend_lens, draft_lens).to(self.device)
             drafts = draft_tokens(batch.input_ids, batch.extend_lens, draft_lens)
-            logits = self.model.compute_logits(hidden[rows])
+            logits = self.model.compute_logits(hidden[rows]).float()
             out = verify(logits, drafts, draft_lens, batch.sampling, self.sampler)
         if batch.prompt_logprob_rows is not None:  # a prefill beside the drafts, maybe
             self._prompt_logprobs(batch, hidden, out)
@@ -139,7 +139,7 @@ class ModelRunner:
         last token). Writes the batch's K and V into the pool like `forward`."""
         hidden, last_rows = self._forward_hidden(batch)
         rows = last_rows if rows is None else rows.to(self.device)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[rows]).float()
 
     def _forward_hidden(self, batch: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The final hidden states of every packed row, and the rows of the sequences' last

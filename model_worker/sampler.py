@@ -45,11 +45,18 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-        """float32 logits [B, V] -> the next tokens (and logprobs if asked for), on the CPU."""
+        """Logits [B, V] (float32, or the model's bfloat16) -> the next tokens (and logprobs if
+        asked for), on the CPU."""
+        plain = not info.has_penalties and info.logit_bias is None
+        argmax_only = info.is_all_greedy and plain and not info.any_logprob
+        if argmax_only and info.vocab_mask is None:
+            # float32 holds every bfloat16 exactly: the same argmax as of the float32 logits,
+            # without a float32 pass over the vocabulary.
+            return SampleOutput(self.argmax(logits).cpu())
+        logits = logits.float()  # the rest works in float32 (no copy of float32 logits)
         if info.vocab_mask is not None:
             logits = apply_vocab_mask(logits, info.vocab_mask)
-        plain = not info.has_penalties and info.logit_bias is None
-        if info.is_all_greedy and plain and not info.any_logprob:
+        if argmax_only:
             return SampleOutput(self.argmax(logits).cpu())
         processed = apply_penalties(apply_logit_bias(logits, info), info)
         if info.is_all_greedy:

@@ -325,3 +325,34 @@ def test_a_tiny_temperature_is_greedy() -> None:
     for _ in range(5):
         out = Sampler(CPU, seed=0)(logits, batch).next_token_ids
         assert out[[0, 1, 3]].tolist() == logits[[0, 1, 3]].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperatures": [0.0] * 6},  # greedy: the argmax of the bfloat16 logits themselves
+        {"temperatures": [0.0] * 6, "return_logprob": [True] * 6},
+        {"temperatures": [0.0, 0.7, 1.0, 0.0, 1.3, 0.9], "top_ps": [1.0, 0.9, 1.0, 1, 0.5, 1]},
+        {
+            "temperatures": [0.8] * 6,
+            "repetition_penalties": [1.3] * 6,
+            "seen": {2: SeenTokens.of([5, 9, 9], [])},
+        },
+    ],
+    ids=["greedy", "greedy-logprobs", "sampled", "penalised"],
+)
+def test_bfloat16_logits_give_what_their_float32_gives(fields) -> None:
+    """The model hands its logits over in its own dtype: every path gives the same tokens and
+    logprobs as on those logits converted to float32 (exactly) first, ties included (bfloat16
+    rounds many logits to one value; the first index wins)."""
+    logits = (random_logits(6, seed=9, vocab=300) * 4).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 200] = logits[1].max() + 1  # a tie for the max
+    outs = [
+        Sampler(CPU, seed=3)(given, make_info(6, **fields)) for given in (logits, logits.float())
+    ]
+    assert torch.equal(outs[0].next_token_ids, outs[1].next_token_ids)
+    for name in ("token_logprobs", "top_logprobs"):
+        a, b = getattr(outs[0], name), getattr(outs[1], name)
+        assert (a is None and b is None) or torch.equal(a, b)
+    if fields["temperatures"][1] == 0.0:
+        assert outs[0].next_token_ids[1] == 7

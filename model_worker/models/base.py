@@ -19,7 +19,7 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab_size] of the given rows only."""
+        """Logits [N, vocab_size] of the given rows only, in the model's dtype."""
 
     @abstractmethod
     def checkpoint_targets(self, name: str) -> list[tuple[str, int]]:
