@@ -45,28 +45,41 @@ void linear_m(const T* x, const T* w, const T* bias, T* y, int64_t K, int64_t N)
 // Rows of x times a weight kept as oneDNN reorders float32 for its matmul (packed_linear.py):
 // panels of `Block` output channels, each [k_pad][Block] (K padded, with zeros), one after the
 // other. A panel's `Block` outputs are accumulated over k in registers, as rows_times_weight
-// does over a weight row, each in the same order whatever M.
+// does over a weight row. An FMA's result is ready 4 cycles on and two start per cycle: fewer
+// than 8 accumulators (one row on AVX-512) wait on their own sums, so those take even and odd k
+// apart and add the two at the end.
 template <int M, int Block>
 void rows_times_panels(const float* x, const float* panels, const float* bias, float* y,
                        int64_t K, int64_t k_pad, int64_t N, int64_t p_begin, int64_t p_end) {
   constexpr int kVecs = Block / kLanes;
+  constexpr int kChains = M * kVecs >= 8 ? 1 : 2;
   for (int64_t p = p_begin; p < p_end; ++p) {
     const float* panel = panels + p * k_pad * Block;
-    Vec acc[M][kVecs];
-    for (int m = 0; m < M; ++m) {
-      for (int v = 0; v < kVecs; ++v) acc[m][v] = Vec(0.f);
+    Vec acc[kChains][M][kVecs];
+    for (int c = 0; c < kChains; ++c) {
+      for (int m = 0; m < M; ++m) {
+        for (int v = 0; v < kVecs; ++v) acc[c][m][v] = Vec(0.f);
+      }
     }
-    for (int64_t k = 0; k < K; ++k) {
+    auto step = [&](int c, int64_t k) {
       const float* wk = panel + k * Block;
       for (int v = 0; v < kVecs; ++v) {
         const Vec wv = Vec::loadu(wk + v * kLanes);
-        for (int m = 0; m < M; ++m) acc[m][v] = at::vec::fmadd(Vec(x[m * K + k]), wv, acc[m][v]);
+        for (int m = 0; m < M; ++m) {
+          acc[c][m][v] = at::vec::fmadd(Vec(x[m * K + k]), wv, acc[c][m][v]);
+        }
       }
+    };
+    int64_t k = 0;
+    for (; k + kChains <= K; k += kChains) {
+      for (int c = 0; c < kChains; ++c) step(c, k + c);
     }
+    for (; k < K; ++k) step(0, k);
     const int64_t n0 = p * Block;
     for (int m = 0; m < M; ++m) {
       for (int v = 0; v < kVecs; ++v) {
-        Vec out = acc[m][v];
+        Vec out = acc[0][m][v];
+        for (int c = 1; c < kChains; ++c) out = out + acc[c][m][v];
         if (bias != nullptr) out = out + Vec::loadu(bias + n0 + v * kLanes);
         out.store(y + m * N + n0 + v * kLanes);
       }
