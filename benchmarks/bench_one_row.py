@@ -22,7 +22,7 @@ from bench_serving import make_prompts
 
 from radixserve.model_worker import fused_ops
 from radixserve.model_worker.model_runner import ModelRunner
-from radixserve.model_worker.model_source import resolve_model_path
+from radixserve.model_worker.model_source import DEFAULT_MODEL, resolve_model_path
 from radixserve.model_worker.parallel import TPGroup
 from radixserve.process_setup import keep_freed_memory
 
@@ -45,11 +45,11 @@ def runner(path: str, max_len: int) -> ModelRunner:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a model directory (default model if none)")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     keep_freed_memory()
-    path = str(resolve_model_path(args.model))
+    path = resolve_model_path(args.model)
     max_len = 128 + args.steps + 1
     runners = {}
     for name, panel_rows in CONFIGS.items():
