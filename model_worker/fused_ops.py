@@ -20,7 +20,7 @@ from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat
 # Rows up to which linear_small_m beats BLAS here (the extension's kMaxSmallM).
 SMALL_M = 8
 # Rows up to which linear_panels beats oneDNN on the same float32 weight (benchmarks/RESULTS.md,
-# "One copy, and one row in float32"); at most the extension's kMaxPanelRows.
+# "An 8B model in 24 GiB: memory"); at most the extension's kMaxPanelRows.
 PANEL_ROWS = 4
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -74,6 +74,8 @@ def find_panels(weight: torch.Tensor, packed: torch.Tensor) -> Panels | None:
     layout proven to be this one."""
     n, k = weight.shape
     nbytes = int(torch.ops.mkldnn._nbytes(packed))
+    if nbytes % weight.element_size():
+        return None
     buffer = (ctypes.c_char * nbytes).from_address(int(torch.ops.mkldnn.data_ptr(packed)))
     data = torch.frombuffer(buffer, dtype=torch.float32)
     for block in _PANEL_BLOCKS:
@@ -82,7 +84,7 @@ def find_panels(weight: torch.Tensor, packed: torch.Tensor) -> Panels | None:
             continue
         # panel p, row kk, lane j holds weight[p * block + j, kk]
         panels = data.view(n // block, k_pad, block)[:, :k]
-        expected = weight.view(n // block, block, k).transpose(1, 2)
+        expected = weight.reshape(n // block, block, k).transpose(1, 2)
         step = max(1, _CHECK_ELEMENTS // (block * k))  # panels compared at a time
         if all(
             torch.equal(panels[p : p + step], expected[p : p + step])
