@@ -27,6 +27,7 @@ from radixserve.protocol.wire import (
     StopStrings,
     StopTokenIds,
     check_grammar,
+    check_prompt_top_logprobs,
 )
 
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
@@ -334,6 +335,11 @@ def completion_generates(
     generates: list[GenerateRequest] = []
     sent: set[str] = set()
     for i, ids in enumerate(prompt_ids):
+        if req.echo and req.logprobs is not None:
+            try:
+                check_prompt_top_logprobs("logprobs", top, len(ids))
+            except ValueError as e:
+                raise BadField("logprobs", str(e)) from None
         limit = max_new_tokens(req.max_tokens, COMPLETIONS_MAX_TOKENS, len(ids), limits)
         params, sent = sampling_params(req, limit)
         generate = GenerateRequest(
