@@ -27,6 +27,7 @@ from radixserve.protocol.wire import (
     StopStrings,
     StopTokenIds,
     check_grammar,
+    check_in_vocabulary,
     check_prompt_top_logprobs,
 )
 
@@ -252,9 +253,10 @@ def check_token_ids(req: _OpenAIRequest, vocab_size: int) -> None:
         ("logit_bias", req.logit_bias or {}),
         ("stop_token_ids", req.stop_token_ids or []),
     ):
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise BadField(field, f"{field} holds {bad}, outside the vocabulary [0, {vocab_size})")
+        try:
+            check_in_vocabulary(field, ids, vocab_size)
+        except ValueError as e:
+            raise BadField(field, str(e)) from None
 
 
 def max_new_tokens(

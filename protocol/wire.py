@@ -6,6 +6,7 @@ an out-of-range value fails in the decoder with a message that names the field.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import msgspec
@@ -27,6 +28,9 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 MAX_RID_CHARS = 256
 MAX_API_KEY_CHARS = 256
+# The API key's environment variable, read by the server (--api-key's default) and the clients:
+# a key on a command line shows in ps.
+API_KEY_ENV = "RADIXSERVE_API_KEY"
 # Lists are bounded in their types, so that the decoder refuses one by its length alone, before
 # it builds millions of objects.
 MAX_INPUT_IDS = 1 << 20  # past any context length served here
@@ -198,6 +202,13 @@ def check_prompt_top_logprobs(field: str, top: int, prompt_tokens: int) -> None:
             f"{top * prompt_tokens}; at most {MAX_PROMPT_TOP_LOGPROBS} in all (ask for fewer, or "
             "for a shorter part of the prompt)"
         )
+
+
+def check_in_vocabulary(field: str, ids: Iterable[int], vocab_size: int) -> None:
+    """ValueError naming `field` for an id outside [0, vocab_size) (the model's embedding rows)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{field} holds {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 def check_rid(rid: str | None) -> None:
