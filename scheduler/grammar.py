@@ -1,8 +1,9 @@
 """Constrained decoding on the scheduler's side (xgrammar), as SGLang places it.
 
 A request with a grammar (json_schema, regex or ebnf) first waits in the GrammarQueue while its
-grammar compiles on GrammarBackend's threads (xgrammar releases the GIL while it compiles), so
-nobody else waits for it; each distinct spec compiles once (a bounded LRU cache keyed by its
+grammar compiles on GrammarBackend's threads (xgrammar releases the GIL while it compiles), or
+waits for one of them (they are bounded, a compile past its timeout included), so nobody else
+waits for it; each distinct spec compiles once (a bounded LRU cache keyed by its
 text, in-flight compiles shared). When its grammar is ready the request gets its own matcher
 (`Req.grammar`) and joins the waiting queue. Each step, `vocab_mask` fills one packed bitmask
 for the batch's constrained rows from their matchers; the sampler applies it; the scheduler
