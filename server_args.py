@@ -14,9 +14,7 @@ from typing import NoReturn
 import msgspec
 
 from radixserve.model_worker.model_source import DEFAULT_MODEL
-from radixserve.protocol.wire import MAX_API_KEY_CHARS
-
-API_KEY_ENV = "RADIXSERVE_API_KEY"  # --api-key's default: a key on the command line shows in ps
+from radixserve.protocol.wire import API_KEY_ENV, MAX_API_KEY_CHARS
 
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):

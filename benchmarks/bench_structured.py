@@ -1,7 +1,7 @@
 """Structured outputs: what a JSON schema costs, and what compiling a big one costs the others.
 
     python benchmarks/bench_structured.py [--num-requests 64 --input-len 128 --output-len 128]
-                                          [--rounds 3] [--compile-kb 50] [--server-args "..."]
+                                          [--rounds 5] [--compile-kb 50] [--server-args "..."]
 
 One server, two measurements, each side taking turns round after round (the summary compares
 medians: a shared machine drifts between runs):
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--running-requests", type=int, default=16)
     parser.add_argument("--compile-kb", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--server-args", default="", help="extra launch.py flags, one string")
     args = parser.parse_args()
     prompts = make_prompts(args.num_requests, args.input_len, vocab=49152)

@@ -10,6 +10,7 @@ import msgspec
 import zmq
 
 from radixserve.protocol.wire import (
+    API_KEY_ENV,
     ClientRequest,
     ErrorReply,
     GenerateRequest,
@@ -25,8 +26,6 @@ DEFAULT_MAX_REPLY_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT = 600.0
 # How long a send waits for a connection to the server before saying there is none.
 DEFAULT_CONNECT_TIMEOUT = 5.0
-# The key a client sends when none is given, as the server reads its own --api-key from it.
-API_KEY_ENV = "RADIXSERVE_API_KEY"
 
 
 class ServerError(Exception):

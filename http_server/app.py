@@ -60,6 +60,8 @@ def _errors(handler: Handler) -> Handler:
             return await handler(request)
         except HttpError as e:
             return error_response(e)
+        finally:
+            Front.release_body(request)  # refused before its generates were submitted
 
     return handle
 

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.protocol.wire import ErrorReply, GenerateRequest, OutputReply
+from radixserve.tokenizer_manager.intake import Ticket
 from radixserve.tokenizer_manager.local_client import LocalClient
 from radixserve.tokenizer_manager.manager import TokenizerManager
 from radixserve.tokenizer_manager.request_decoder import ClientError
@@ -100,7 +101,13 @@ class Front:
     async def body(self, request: Request) -> bytes:
         """The body, refused past --max-request-bytes before it is held whole, and unless it says
         it is JSON: a web page can POST a form or text/plain to 127.0.0.1 without the browser
-        asking first, never application/json."""
+        asking first, never application/json.
+
+        Its bytes count against the intake's caps as they arrive (a declared length alone, from
+        a client that then sends nothing, must not hold room that others are refused for), and
+        go on counting until the request's generates are submitted (`outputs`) or it is
+        refused (`release_body`): the OpenAI API tokenizes before it submits, and a flood of
+        large bodies in the tokenizer must be bounded as the ZMQ path's prompts are."""
         media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
             raise HttpError(
@@ -109,25 +116,30 @@ class Front:
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
             raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
-        # Its bytes count against the intake's caps as they arrive: a declared length alone
-        # (a client that then sends nothing) must not hold room that others are refused for.
         try:
             ticket = self.manager.intake.take(_client_address(request), 0)
-            chunks, size = [], 0
-            try:
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > self.max_body_bytes:
-                        raise HttpError(
-                            "too_large", f"request body over {self.max_body_bytes} bytes"
-                        )
-                    ticket.grow(len(chunk))
-                    chunks.append(chunk)
-                return b"".join(chunks)
-            finally:
-                ticket.release()
         except ClientError as e:
             raise HttpError(e.code, e.message) from None
+        request.state.intake_ticket = ticket
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise HttpError("too_large", f"request body over {self.max_body_bytes} bytes")
+            try:
+                ticket.grow(len(chunk))
+            except ClientError as e:
+                raise HttpError(e.code, e.message) from None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def release_body(request: Request) -> None:
+        """The body's place in the intake, given back (once the request is submitted or
+        refused; again is a no-op)."""
+        ticket: Ticket | None = getattr(request.state, "intake_ticket", None)
+        if ticket is not None:
+            ticket.release()
 
     async def query(self, query_type: type) -> msgspec.Struct:
         """A control query (health, model_info, server_info, flush_cache) and its answer;
@@ -152,6 +164,8 @@ class Front:
         early when the HTTP client disconnects (its requests aborted); HttpError for an error."""
         client = self.manager.open_local_client(_client_address(request))
         watch = asyncio.create_task(self._abort_on_disconnect(request, client))
+        # The generates take their own places as they are admitted (nothing awaits in between).
+        self.release_body(request)
         try:
             for generate in generates:
                 await self.manager.submit([client.peer], generate)

@@ -27,6 +27,8 @@ from radixserve.protocol.wire import (
     StopStrings,
     StopTokenIds,
     check_grammar,
+    check_in_vocabulary,
+    check_prompt_top_logprobs,
 )
 
 MAX_PROMPTS = 1024  # prompts in one /v1/completions request
@@ -251,9 +253,10 @@ def check_token_ids(req: _OpenAIRequest, vocab_size: int) -> None:
         ("logit_bias", req.logit_bias or {}),
         ("stop_token_ids", req.stop_token_ids or []),
     ):
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise BadField(field, f"{field} holds {bad}, outside the vocabulary [0, {vocab_size})")
+        try:
+            check_in_vocabulary(field, ids, vocab_size)
+        except ValueError as e:
+            raise BadField(field, str(e)) from None
 
 
 def max_new_tokens(
@@ -334,6 +337,11 @@ def completion_generates(
     generates: list[GenerateRequest] = []
     sent: set[str] = set()
     for i, ids in enumerate(prompt_ids):
+        if req.echo and req.logprobs is not None:
+            try:
+                check_prompt_top_logprobs("logprobs", top, len(ids))
+            except ValueError as e:
+                raise BadField("logprobs", str(e)) from None
         limit = max_new_tokens(req.max_tokens, COMPLETIONS_MAX_TOKENS, len(ids), limits)
         params, sent = sampling_params(req, limit)
         generate = GenerateRequest(

@@ -6,6 +6,7 @@ an out-of-range value fails in the decoder with a message that names the field.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Literal
 
 import msgspec
@@ -16,6 +17,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # completions of one request (OpenAI's limit)
 MAX_TOP_K = 2**31 - 1  # any k past the vocabulary keeps every token
 MAX_TOP_LOGPROBS = 256
+# Top logprobs of a prompt in all (its tokens scored x top_logprobs_num): each is held as a Python
+# pair, about 100 bytes, from the scheduler to the reply. vLLM's 20 a position over a 32k
+# context fit; 256 a position over a long prompt (25M pairs at 100k tokens) does not.
+MAX_PROMPT_TOP_LOGPROBS = 1 << 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
@@ -23,6 +28,9 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 MAX_RID_CHARS = 256
 MAX_API_KEY_CHARS = 256
+# The API key's environment variable, read by the server (--api-key's default) and the clients:
+# a key on a command line shows in ps.
+API_KEY_ENV = "RADIXSERVE_API_KEY"
 # Lists are bounded in their types, so that the decoder refuses one by its length alone, before
 # it builds millions of objects.
 MAX_INPUT_IDS = 1 << 20  # past any context length served here
@@ -183,6 +191,24 @@ def check_grammar(field: str, spec: str) -> None:
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("json_schema must be a JSON object (a schema)")
+
+
+def check_prompt_top_logprobs(field: str, top: int, prompt_tokens: int) -> None:
+    """`top` top logprobs for each of `prompt_tokens` prompt tokens fit MAX_PROMPT_TOP_LOGPROBS
+    (ValueError naming `field`, the client's name for `top`)."""
+    if top * prompt_tokens > MAX_PROMPT_TOP_LOGPROBS:
+        raise ValueError(
+            f"{field}: {top} top logprobs for each of the prompt's {prompt_tokens} tokens make "
+            f"{top * prompt_tokens}; at most {MAX_PROMPT_TOP_LOGPROBS} in all (ask for fewer, or "
+            "for a shorter part of the prompt)"
+        )
+
+
+def check_in_vocabulary(field: str, ids: Iterable[int], vocab_size: int) -> None:
+    """ValueError naming `field` for an id outside [0, vocab_size) (the model's embedding rows)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{field} holds {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 def check_rid(rid: str | None) -> None:

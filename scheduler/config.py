@@ -39,3 +39,4 @@ class SchedulerConfig:
     schedule_policy: str = "fcfs"  # or "lpm": longest prefix match first
     enable_overlap: bool = False  # launch each step on a worker thread, process it one step later
     speculative: SpecConfig | None = None  # None: no speculative decoding
+    max_queued_requests: int = 1024  # waiting or compiling their grammar; past it: overloaded

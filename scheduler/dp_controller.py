@@ -35,29 +35,12 @@ from radixserve.protocol.internal import (
     TokenizedGenerateReq,
 )
 from radixserve.protocol.wire import ServerInfoReply
-from radixserve.scheduler.dp_router import make_router
+from radixserve.scheduler.dp_router import ReplicaLoads, make_router
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger("radixserve.dp_controller")
 
 ControlAnswer = ServerInfoOut | FlushCacheOut | HealthOut | ModelInfoOut
-
-
-class ReplicaLoads:
-    """Each replica's requests in flight: what it last reported holding, plus what was sent to
-    it since that it had not received by then."""
-
-    def __init__(self, num_replicas: int):
-        self.sent = [0] * num_replicas
-        self.received = [0] * num_replicas  # as last reported
-        self.held = [0] * num_replicas  # as last reported
-
-    def report(self, load: ReplicaLoad) -> None:
-        self.received[load.dp_rank] = load.received
-        self.held[load.dp_rank] = load.in_flight
-
-    def now(self) -> list[int]:
-        return [h + s - r for h, s, r in zip(self.held, self.sent, self.received)]
 
 
 class DataParallelController:
@@ -93,9 +76,7 @@ class DataParallelController:
 
     def route(self, msg: msgspec.Struct, data: bytes) -> None:
         if isinstance(msg, TokenizedGenerateReq):
-            picked = self.router.pick(msg.input_ids, self.loads.now())
-            self.loads.sent[picked] += 1
-            self.replicas[picked].send(data)
+            self.replicas[self.router.pick(msg.input_ids, self.loads)].send(data)
             return
         query_id = getattr(msg, "query_id", None)
         if query_id is not None:

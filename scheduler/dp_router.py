@@ -4,7 +4,7 @@ Cache-aware is the SGLang router's policy: send a request where its prompt's pre
 likely cached, while the replicas are balanced. The router cannot see the replicas' radix trees,
 so it keeps its own picture of them: each prompt it sent a replica, as the chained hashes of its
 whole pages of tokens (vLLM's block hashes), LRU-bounded. Each replica's load is its requests in
-flight (dp_controller.py counts them).
+flight (ReplicaLoads: the replicas report what they hold, the routers count what they send).
 - Imbalanced (the busiest holds more than --balance-abs-threshold requests over the idlest, and
   more than --balance-rel-threshold times as many): the least-loaded replica.
 - Else, a replica holding at least --cache-threshold of the prompt: the one holding the most,
@@ -16,21 +16,38 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import count
 
+from radixserve.protocol.internal import ReplicaLoad
 from radixserve.server_args import ServerArgs
 
 PAGE_TOKENS = 16
 MAX_PAGES_PER_REPLICA = 100_000  # 1.6M tokens of prompts remembered; about 10 MB
 
 
-class RoundRobinRouter:
-    def __init__(self, num_replicas: int):
-        self._next = count()
-        self.num_replicas = num_replicas
+class ReplicaLoads:
+    """Each replica's requests in flight: what it last reported holding, plus what was sent to
+    it since that it had not received by then. `sent` (requests ever sent each replica) is
+    counted by the routers' `pick`, whose answer the controller sends."""
 
-    def pick(self, input_ids: Sequence[int], loads: Sequence[int]) -> int:
-        return next(self._next) % self.num_replicas
+    def __init__(self, num_replicas: int):
+        self.sent = [0] * num_replicas
+        self.received = [0] * num_replicas  # as last reported
+        self.held = [0] * num_replicas  # as last reported
+
+    def report(self, load: ReplicaLoad) -> None:
+        self.received[load.dp_rank] = load.received
+        self.held[load.dp_rank] = load.in_flight
+
+    def now(self) -> list[int]:
+        return [h + s - r for h, s, r in zip(self.held, self.sent, self.received)]
+
+
+class RoundRobinRouter:
+    def pick(self, input_ids: Sequence[int], loads: ReplicaLoads) -> int:
+        """The replica sent the fewest requests (the first among equals): each in turn."""
+        best = min(range(len(loads.sent)), key=loads.sent.__getitem__)
+        loads.sent[best] += 1
+        return best
 
 
 class CacheAwareRouter:
@@ -42,13 +59,13 @@ class CacheAwareRouter:
         balance_rel_threshold: float = 1.0001,
     ):
         self.pages: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
-        self.num_sent = [0] * num_replicas
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
 
-    def pick(self, input_ids: Sequence[int], loads: Sequence[int]) -> int:
+    def pick(self, input_ids: Sequence[int], replica_loads: ReplicaLoads) -> int:
         """The replica for a prompt, given each replica's requests in flight."""
+        loads, sent = replica_loads.now(), replica_loads.sent
         hashes = page_hashes(input_ids)
         replicas = range(len(self.pages))
         matched = [_leading_matches(pages, hashes) for pages in self.pages]
@@ -59,9 +76,9 @@ class CacheAwareRouter:
             best = min((i for i in replicas if matched[i] == most), key=loads.__getitem__)
         else:
             # Prompts shorter than a page add no pages: load, then requests sent break the tie.
-            best = min(replicas, key=lambda i: (len(self.pages[i]), loads[i], self.num_sent[i]))
+            best = min(replicas, key=lambda i: (len(self.pages[i]), loads[i], sent[i]))
         self._remember(self.pages[best], hashes)
-        self.num_sent[best] += 1
+        sent[best] += 1
         return best
 
     def imbalanced(self, loads: Sequence[int]) -> bool:
@@ -104,4 +121,4 @@ def make_router(args: ServerArgs) -> RoundRobinRouter | CacheAwareRouter:
             args.balance_abs_threshold,
             args.balance_rel_threshold,
         )
-    return RoundRobinRouter(args.dp_size)
+    return RoundRobinRouter()

@@ -1,8 +1,9 @@
 """Constrained decoding on the scheduler's side (xgrammar), as SGLang places it.
 
 A request with a grammar (json_schema, regex or ebnf) first waits in the GrammarQueue while its
-grammar compiles on GrammarBackend's threads (xgrammar releases the GIL while it compiles), so
-nobody else waits for it; each distinct spec compiles once (a bounded LRU cache keyed by its
+grammar compiles on GrammarBackend's threads (xgrammar releases the GIL while it compiles), or
+waits for one of them (they are bounded, a compile past its timeout included), so nobody else
+waits for it; each distinct spec compiles once (a bounded LRU cache keyed by its
 text, in-flight compiles shared). When its grammar is ready the request gets its own matcher
 (`Req.grammar`) and joins the waiting queue. Each step, `vocab_mask` fills one packed bitmask
 for the batch's constrained rows from their matchers; the sampler applies it; the scheduler
@@ -41,40 +42,67 @@ _GRAMMAR = attrgetter("grammar")
 
 
 def _yield_to_forward() -> None:
-    """A compile thread runs at the lowest priority (Linux nices threads one by one): on a CPU
-    the forward's threads share the same cores, and a big schema compiling at their priority
-    took a core from every running request's steps (ITL p99 2.5x, bench_structured.py)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    """A compile thread runs only when a core would otherwise idle: on a CPU the forward's
+    threads share the same cores, and a big schema compiling at their priority took a core from
+    every running request's steps (ITL p99 2.51x, bench_structured.py; 1.10x at nice 19, whose
+    weight of 15 still takes a slice). Linux schedules threads one by one: SCHED_IDLE (weight 3)
+    for this thread alone, which any user may ask for; nice 19 where it is refused."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
 class GrammarBackend:
     """Compiles grammars for one tokenizer, off the scheduler's thread. `compile` is called from
-    the scheduler's thread only; the pool's threads only run `_compile`."""
+    the scheduler's thread only; the pool's threads only run `_compile`.
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, cache_size: int = CACHE_SIZE):
+    A compile cannot be stopped, and one past its request's timeout still holds its thread until
+    it ends: at most `threads` compiles are handed to the pool at a time, those included, so a
+    stream of pathological grammars queues no work behind them that nobody waits for."""
+
+    def __init__(
+        self,
+        tokenizer_path: str,
+        vocab_size: int,
+        cache_size: int = CACHE_SIZE,
+        threads: int = COMPILE_THREADS,
+    ):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size  # the logits' width, which the masks cover
         self.cache_size = cache_size
+        self.threads = threads
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
         self._pool = ThreadPoolExecutor(
-            COMPILE_THREADS, thread_name_prefix="grammar-compile", initializer=_yield_to_forward
+            threads, thread_name_prefix="grammar-compile", initializer=_yield_to_forward
         )
+        self._running: list[Future[xgr.CompiledGrammar]] = []  # handed to the pool, not done
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
 
-    def compile(self, field: str, spec: str) -> Future[xgr.CompiledGrammar]:
-        """The compiled grammar of `spec` (given as `field`), now or later."""
+    def compile(self, field: str, spec: str) -> Future[xgr.CompiledGrammar] | None:
+        """The compiled grammar of `spec` (given as `field`), now or later; None while every
+        compile thread is taken: ask again."""
         key = (field, spec)
         future = self._cache.get(key)
         if future is not None:
             self._cache.move_to_end(key)
             return future
+        if self.busy() >= self.threads:
+            return None
         future = self._pool.submit(self._compile, field, spec)
+        self._running.append(future)
         self._cache[key] = future
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return future
+
+    def busy(self) -> int:
+        """Compiles running now, those whose requests timed out included."""
+        self._running = [f for f in self._running if not f.done()]
+        return len(self._running)
 
     def _compile(self, field: str, spec: str) -> xgr.CompiledGrammar:
         compiler = self._get_compiler()
@@ -103,12 +131,14 @@ class GrammarBackend:
 class _Compiling:
     req: Req
     field: str
-    future: Future[xgr.CompiledGrammar]
+    spec: str
+    future: Future[xgr.CompiledGrammar] | None  # None: waits for a compile thread
     deadline: float
 
 
 class GrammarQueue:
-    """Requests whose grammar is compiling. Owned by the scheduler's thread."""
+    """Requests whose grammar is compiling, or waits for a compile thread (in arrival order).
+    Owned by the scheduler's thread."""
 
     def __init__(self, backend: GrammarBackend, timeout_s: float = COMPILE_TIMEOUT_S):
         self.backend = backend
@@ -120,7 +150,8 @@ class GrammarQueue:
 
     def add(self, req: Req, field: str, spec: str) -> None:
         future = self.backend.compile(field, spec)
-        self._compiling.append(_Compiling(req, field, future, time.monotonic() + self.timeout_s))
+        deadline = time.monotonic() + self.timeout_s
+        self._compiling.append(_Compiling(req, field, spec, future, deadline))
 
     def remove(self, rid: str) -> Req | None:
         for entry in self._compiling:
@@ -131,14 +162,26 @@ class GrammarQueue:
 
     def take_ready(self) -> tuple[list[Req], list[ReqError]]:
         """The requests whose grammar is ready, each with its own matcher, in arrival order, and
-        the errors of those whose grammar failed to compile or took too long."""
+        the errors of those whose grammar failed to compile or took too long (the timeout counts
+        the wait for a compile thread too: the time in this queue is bounded)."""
         ready: list[Req] = []
         errors: list[ReqError] = []
         now = time.monotonic()
         still: list[_Compiling] = []
         for entry in self._compiling:
             rid, field = entry.req.rid, entry.field
-            if entry.future.done():
+            if entry.future is None and now <= entry.deadline:
+                entry.future = self.backend.compile(field, entry.spec)
+            if entry.future is None:
+                if now > entry.deadline:
+                    message = (
+                        f"{field} waited {self.timeout_s:g} s for a compile thread (the server's "
+                        "grammar compiles are all taken); retry later"
+                    )
+                    errors.append(ReqError(rid, "overloaded", message))
+                else:
+                    still.append(entry)
+            elif entry.future.done():
                 error = entry.future.exception()
                 if error is None:
                     entry.req.grammar = xgr.GrammarMatcher(entry.future.result())

@@ -33,7 +33,6 @@ from radixserve.protocol.internal import (
     ModelInfoOut,
     ModelInfoReq,
     ReplicaLoad,
-    ReqError,
     SchedulerInput,
     SchedulerReady,
     ServerInfoOut,
@@ -132,6 +131,7 @@ def build_scheduler(
         schedule_policy=args.schedule_policy,
         enable_overlap=overlap_schedule(args, runner.device),
         speculative=speculative_config(args),
+        max_queued_requests=args.max_queued_requests,
     )
     logger.info(
         "Model %s on %s, dtype %s. max_total_tokens=%d, max_running_requests=%d, "
@@ -170,7 +170,6 @@ class SchedulerProcess:
     ):
         placement = placement or RankPlacement()
         self.dp_rank = placement.dp_rank
-        self.max_queued_requests = args.max_queued_requests
         self.heartbeat = heartbeat
         self.worker = TpModelWorker(build_model_runner(args, model_path, placement))
         self.scheduler, self.model_info = build_scheduler(args, model_path, self.worker)
@@ -186,7 +185,6 @@ class SchedulerProcess:
         if self.reports_load:
             self.send_control = transport.connect_push(ctx, ipc_dir, transport.DP_CONTROLLER_INPUT)
         self.codec = transport.Codec(SchedulerInput)
-        self.received = 0  # generates, ever
         self.last_load: tuple[int, int] = (0, 0)  # as last reported
 
     def event_loop(self) -> None:
@@ -228,12 +226,6 @@ class SchedulerProcess:
         scheduler = self.scheduler
         match msg:
             case TokenizedGenerateReq():
-                self.received += 1
-                queued = len(scheduler.waiting) + scheduler.grammars_compiling
-                if queued >= self.max_queued_requests:
-                    message = f"{queued} requests wait (--max-queued-requests)"
-                    self._reply(ReqError(msg.rid, "overloaded", message))
-                    return
                 error = scheduler.add_request(msg)
                 if error is not None:
                     self._reply(error)
@@ -255,7 +247,8 @@ class SchedulerProcess:
 
     def report_load(self) -> None:
         """This replica's load to the controller, when it changed: at most once a step."""
-        load = (self.received, len(self.scheduler.waiting) + len(self.scheduler.running))
+        scheduler = self.scheduler
+        load = (scheduler.stats.num_requests, len(scheduler.waiting) + len(scheduler.running))
         if load != self.last_load:
             self.last_load = load
             self._answer(ReplicaLoad(self.dp_rank, *load))

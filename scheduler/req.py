@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixserve.protocol.internal import ReqError, TokenizedGenerateReq
-from radixserve.protocol.wire import FinishReason, SamplingParams
+from radixserve.protocol.wire import FinishReason, SamplingParams, check_prompt_top_logprobs
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.scheduler.ngram import SpecState
@@ -173,6 +173,11 @@ def make_req(msg: TokenizedGenerateReq, config: SchedulerConfig) -> Req | ReqErr
             f"{config.max_total_tokens} (--max-total-tokens)",
         )
     start = min(msg.logprob_start_len, n_prompt - 1)
+    if start >= 0 and msg.return_logprob:
+        try:
+            check_prompt_top_logprobs("top_logprobs_num", msg.top_logprobs_num, n_prompt - start)
+        except ValueError as e:
+            return ReqError(msg.rid, "invalid_request", str(e))
     prompt_only = start >= 0 and params.max_new_tokens == 0
     if prompt_only:  # the prompt must run: one token is sampled, and not returned
         params = msgspec.structs.replace(params, max_new_tokens=1, min_new_tokens=0)

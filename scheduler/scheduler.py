@@ -93,11 +93,15 @@ class Scheduler:
     # ---- input ---------------------------------------------------------------------------------
 
     def add_request(self, msg: TokenizedGenerateReq) -> ReqError | None:
+        self.stats.num_requests += 1  # received, refused or not (the DP controller's count)
+        queued = len(self.waiting) + self.grammars_compiling
+        if queued >= self.config.max_queued_requests:
+            message = f"{queued} requests wait (--max-queued-requests)"
+            return ReqError(msg.rid, "overloaded", message)
         req = make_req(msg, self.config)
         if isinstance(req, ReqError):
             return req
         self.stats.prompt_tokens += len(req.origin_input_ids)
-        self.stats.num_requests += 1
         grammar = req.sampling_params.grammar
         if req.sampling_params.max_new_tokens == 0:
             req.finished_reason = FinishReason("length")

@@ -7,6 +7,7 @@ refused with the request's rid."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -196,14 +197,60 @@ def test_a_slow_compile_times_out_and_an_abort_ends_a_compiling_request(
     assert len([t for o in outs["plain"] for t in o.new_token_ids]) == 3
 
 
+def test_compiles_past_their_timeout_still_hold_their_threads_and_the_excess_waits(
+    runner: ModelRunner, tiny_served_model: Path
+) -> None:
+    """A compile cannot be stopped: one past its request's timeout still counts against the
+    threads until it ends, and the grammars beyond them wait in the grammar queue (never handed
+    to the pool, where they would compile after their requests are gone) until a thread is free
+    or their time is up (`overloaded`, retry later)."""
+    s = make_scheduler(runner, tiny_served_model, enable_overlap=False)
+    assert s.grammar_queue is not None
+    s.grammar_queue.timeout_s = 0.3
+    backend = s.grammar_queue.backend
+    specs = [f"x{{{i + 1}}}" for i in range(COMPILE_THREADS + 3)]
+    with backend._compiler_lock:  # every compile hangs, as a pathological grammar's would
+        for i, spec in enumerate(specs):
+            s.add_request(gen(f"hang{i}", [1, 2, 3], regex=spec))
+        assert backend.busy() == COMPILE_THREADS
+        time.sleep(0.4)
+        s.step()
+        codes = [(e.rid, e.code) for e in s.errors]
+        started = [(f"hang{i}", "invalid_request") for i in range(COMPILE_THREADS)]
+        waited = [(f"hang{i}", "overloaded") for i in range(COMPILE_THREADS, len(specs))]
+        assert codes == started + waited
+        assert "waited 0.3 s for a compile thread" in s.errors[-1].message
+        s.errors = []
+        s.grammar_queue.timeout_s = 300
+        s.add_request(gen("late", [1, 2, 3], regex="[0-9]{2}"))
+        s.step()
+        assert backend.busy() == COMPILE_THREADS  # timed out, still compiling: late waits
+    outs = run(s)
+    tokens = [t for o in outs["late"] for t in o.new_token_ids]
+    text = AutoTokenizer.from_pretrained(tiny_served_model).decode(tokens, skip_special_tokens=True)
+    assert re.fullmatch("[0-9]{2}", text) and not s.errors
+    compiled = {spec for _, spec in backend._cache}
+    assert compiled == {*specs[:COMPILE_THREADS], "[0-9]{2}"}  # the waiting ones never ran
+
+
 def test_the_cache_is_bounded_and_keyed_by_the_spec(tiny_served_model: Path) -> None:
-    backend = GrammarBackend(str(tiny_served_model), 49152, cache_size=2)
+    backend = GrammarBackend(str(tiny_served_model), 49152, cache_size=2, threads=3)
     first = backend.compile("regex", "a")
     assert backend.compile("regex", "a") is first
     assert backend.compile("ebnf", 'root ::= "a"') is not first  # the field is in the key
     backend.compile("regex", "b")
     assert ("regex", "a") not in backend._cache and len(backend._cache) == 2
     assert first.result(timeout=30) is not None
+
+
+def test_grammars_compile_on_threads_that_run_only_when_a_core_would_idle(
+    tiny_served_model: Path,
+) -> None:
+    """SCHED_IDLE, which Linux sets per thread (policy 5 in /proc/<pid>/task/<tid>/sched): a big
+    schema compiling takes no slice from the forward's threads (bench_structured.py)."""
+    backend = GrammarBackend(str(tiny_served_model), 49152)
+    assert backend._pool.submit(os.sched_getscheduler, 0).result() == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the scheduler's own thread is untouched
 
 
 def test_without_a_backend_a_grammar_is_refused(runner: ModelRunner) -> None:

@@ -13,8 +13,13 @@ from test_tensor_parallel import make_batch
 from radixserve.launch import local_placements
 from radixserve.model_worker.batch_codec import decode_batch, encode_batch
 from radixserve.protocol.internal import ReplicaLoad
-from radixserve.scheduler.dp_controller import ReplicaLoads, sum_server_info
-from radixserve.scheduler.dp_router import PAGE_TOKENS, CacheAwareRouter, RoundRobinRouter
+from radixserve.scheduler.dp_controller import sum_server_info
+from radixserve.scheduler.dp_router import (
+    PAGE_TOKENS,
+    CacheAwareRouter,
+    ReplicaLoads,
+    RoundRobinRouter,
+)
 from radixserve.scheduler.seen_tokens import SeenTokens
 from radixserve.server_args import ServerArgs, check_parallel_args
 
@@ -67,21 +72,25 @@ def test_a_broadcast_batch_whose_lengths_disagree_is_refused() -> None:
 
 
 def test_round_robin_takes_turns() -> None:
-    router = RoundRobinRouter(3)
-    assert [router.pick([1, 2], [0, 0, 0]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    router, loads = RoundRobinRouter(), ReplicaLoads(3)
+    assert [router.pick([1, 2], loads) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert loads.sent == [3, 2, 2]  # one count of what was sent: the router's picks
 
 
 def test_cache_aware_keeps_a_prefix_family_on_one_replica_and_spreads_new_ones() -> None:
     router = CacheAwareRouter(2)
     families = [list(range(f * 1000, f * 1000 + 4 * PAGE_TOKENS)) for f in range(4)]
-    idle = [0, 0]
-    picks = {
-        f: {router.pick(prefix + [f, i], idle) for i in range(5)}
-        for f, prefix in enumerate(families)
-    }
+    idle = ReplicaLoads(2)  # the replicas finish each request before the next comes
+
+    def pick(ids: list[int]) -> int:
+        replica = router.pick(ids, idle)
+        idle.report(ReplicaLoad(dp_rank=replica, received=idle.sent[replica], in_flight=0))
+        return replica
+
+    picks = {f: {pick(prefix + [f, i]) for i in range(5)} for f, prefix in enumerate(families)}
     assert all(len(p) == 1 for p in picks.values())  # a family stays where its prefix is
     assert sorted(p.pop() for p in picks.values()) == [0, 0, 1, 1]  # new families spread
-    short = [router.pick([7], idle) for _ in range(4)]  # no whole page: taken in turn
+    short = [pick([7]) for _ in range(4)]  # no whole page: taken in turn
     assert sorted(short) == [0, 0, 1, 1]
 
 
@@ -92,15 +101,12 @@ def test_cache_aware_goes_to_the_least_loaded_past_both_imbalance_thresholds() -
     the replicas holding the prefix share it by load."""
     router = CacheAwareRouter(2, balance_abs_threshold=4, balance_rel_threshold=1.5)
     shared = list(range(4 * PAGE_TOKENS))
-    loads = [0, 0]
-    picks = []
-    for i in range(20):  # all in flight at once: each request adds to its replica's load
-        replica = router.pick(shared + [i], loads)
-        loads[replica] += 1
-        picks.append(replica)
+    loads = ReplicaLoads(2)
+    # All in flight at once: each request adds to its replica's load.
+    picks = [router.pick(shared + [i], loads) for i in range(20)]
     assert picks[:5] == [0] * 5  # 5 - 0 > 4: imbalanced from here
     assert picks[5] == 1
-    assert sorted(loads) == [10, 10]  # then by load among the replicas that hold the prefix
+    assert sorted(loads.now()) == [10, 10]  # then by load among the replicas that hold the prefix
     assert router.imbalanced([10, 5]) and router.imbalanced([1, 7])
     assert not router.imbalanced([9, 5])  # 4 over: not past the absolute threshold
     assert not router.imbalanced([20, 15])  # 5 over, but not 1.5 times as many

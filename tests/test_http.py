@@ -284,3 +284,40 @@ def test_api_key_and_body_limit(tiny_served_model):
                 health.cancel()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_openai_request_holds_its_place_in_the_intake_while_it_is_tokenized(
+    tiny_served_model, path
+):
+    """The OpenAI API tokenizes before it submits: while one client's long prompt is in the
+    tokenizer (seconds), its next request is refused at once (503, the per-client cap), as on
+    the ZMQ path; the long one then reaches the scheduler and the intake is empty again."""
+    caps = {"max_pending_requests_per_client": 1, "context_length": 1_000_000}
+
+    def body(text: str) -> dict:
+        if path == "/v1/completions":
+            return {"model": str(tiny_served_model), "prompt": text, "max_tokens": 1}
+        messages = [{"role": "user", "content": text}]
+        return {"model": str(tiny_served_model), "messages": messages, "max_tokens": 1}
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, max_request_bytes=10**7, **caps) as h:
+            transport = httpx.ASGITransport(app=build_app(h.manager))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                long = asyncio.create_task(http.post(path, json=body("word " * 400_000)))
+                for _ in range(1000):  # its body is read and held (10 s at most)
+                    # (Once submitted, its place counts 32 bytes an id: 12.8 MB.)
+                    if 2_000_000 < h.manager.intake.total.nbytes < 3_000_000:
+                        break
+                    await asyncio.sleep(0.01)
+                refused = await asyncio.wait_for(http.post(path, json=body("Hi")), 30)
+                assert refused.status_code == 503, refused.text
+                error = refused.json()["error"]
+                assert "--max-pending-requests-per-client" in error["message"]
+                sent = await h.to_scheduler(timeout=120)
+                assert len(sent.input_ids) > 10**5
+                assert h.manager.intake.total.requests == 0
+                long.cancel()
+
+    asyncio.run(scenario())

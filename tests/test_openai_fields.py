@@ -290,3 +290,30 @@ def test_a_default_max_tokens_fits_the_kv_pool_as_well_as_the_context():
     assert max_new_tokens(3000, None, 100, (4096, 200)) == 3000  # the scheduler says too_long
     with pytest.raises(BadField, match="context length is 4096"):
         max_new_tokens(4000, None, 100, (4096, 1 << 20))
+
+
+def test_echoed_prompt_top_logprobs_in_all_are_bounded_naming_logprobs():
+    """echo with logprobs scores every prompt token: 256 top logprobs over a 5,000-token prompt
+    is past MAX_PROMPT_TOP_LOGPROBS, a 400 naming `logprobs` (vLLM caps logprobs at 20)."""
+    import msgspec
+
+    from radixserve.http_server.openai_protocol import (
+        BadField,
+        CompletionRequest,
+        completion_generates,
+    )
+
+    limits = (1 << 20, 1 << 20)
+    prompt = [[7] * 5000]
+
+    def request(**fields) -> CompletionRequest:
+        body = {"model": NAME, "prompt": prompt[0], "max_tokens": 0, **fields}
+        return msgspec.convert(body, CompletionRequest)
+
+    with pytest.raises(BadField, match="logprobs: 256 top logprobs for each") as info:
+        completion_generates(request(echo=True, logprobs=256), prompt, limits)
+    assert info.value.param == "logprobs"
+    (fine,), _ = completion_generates(request(echo=True, logprobs=20), prompt, limits)
+    assert fine.top_logprobs_num == 20 and fine.logprob_start_len == 0
+    (unechoed,), _ = completion_generates(request(logprobs=256), prompt, limits)
+    assert unechoed.logprob_start_len == -1  # no prompt logprobs: nothing to bound

@@ -13,6 +13,8 @@ from test_scheduler import gen, make_scheduler
 
 from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
 from radixserve.model_worker.batch_codec import decode_batch, encode_batch
+from radixserve.protocol.internal import ReqError, TokenizedGenerateReq
+from radixserve.protocol.wire import MAX_PROMPT_TOP_LOGPROBS
 from radixserve.scheduler.scheduler import Scheduler
 
 
@@ -85,3 +87,23 @@ def test_prompt_logprobs_survive_chunks_cache_hits_and_retraction(overlap):
             expected.insert(0, (None, prompt[0]))
         assert [tuple(e) for e in final.input_token_logprobs] == expected, rid
         assert outputs.get(rid, []) == reference_tokens(prompt, max_new[rid]), rid
+
+
+def test_prompt_top_logprobs_in_all_are_bounded_naming_the_field():
+    """256 top logprobs a position over a long prompt is tens of millions of pairs held for one
+    request: past MAX_PROMPT_TOP_LOGPROBS in all it is refused with its rid; the same prompt
+    scored from later on, or with fewer top logprobs, is taken."""
+    n = MAX_PROMPT_TOP_LOGPROBS // 256 + 2  # 2 positions too many at 256
+    s = make_scheduler(pool=2 * n, budget=n, chunk=n, context=2 * n)
+    prompt = [1 + i % 900 for i in range(n)]
+
+    def ask(rid: str, top: int, start: int) -> TokenizedGenerateReq:
+        msg = gen(rid, prompt, 0)
+        msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len = True, top, start
+        return msg
+
+    error = s.add_request(ask("whole", 256, 0))
+    assert isinstance(error, ReqError) and (error.rid, error.code) == ("whole", "invalid_request")
+    assert error.message.startswith("top_logprobs_num: 256 top logprobs for each of")
+    assert s.add_request(ask("later", 256, 2)) is None  # n - 2 positions: exactly the bound
+    assert s.add_request(ask("fewer", 1, 0)) is None

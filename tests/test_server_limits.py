@@ -95,6 +95,8 @@ def test_past_max_queued_requests_a_request_is_overloaded(tiny_served_model):
         assert replies.poll(10_000)
         refusal = msgspec.msgpack.decode(replies.recv(), type=TokenizerManagerInput)
         assert isinstance(refusal, ReqError) and (refusal.rid, refusal.code) == ("c", "overloaded")
+        # Received, refused or not: the count the DP controller subtracts from what it sent.
+        assert process.scheduler.stats.num_requests == 3
     finally:
         ctx.destroy(linger=0)
         shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -10,13 +10,14 @@ tokenizer: one is not safe to call from two threads at once.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jinja2
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from radixserve.protocol.wire import GenerateRequest
+from radixserve.protocol.wire import GenerateRequest, check_in_vocabulary
 
 # Tens of milliseconds of tokenizing at most: the short lane stays quick for all queued on it.
 LONG_PROMPT_CHARS = 32_768
@@ -72,7 +73,7 @@ class Tokenization:
         """The prompt's token ids; ValueError naming the field for ids outside the vocabulary,
         PromptTooLong for a text that cannot fit the context."""
         self._check_ids("sampling_params.stop_token_ids", req.sampling_params.stop_token_ids)
-        self._check_ids("sampling_params.logit_bias", list(req.sampling_params.logit_bias))
+        self._check_ids("sampling_params.logit_bias", req.sampling_params.logit_bias)
         if req.input_ids is not None:
             self._check_ids("input_ids", req.input_ids)
             return req.input_ids
@@ -131,10 +132,8 @@ class Tokenization:
             self._short.worker, lambda: str(self._short.tokenizer().decode(ids))
         )
 
-    def _check_ids(self, field: str, ids: list[int]) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{field} holds {bad}, outside the vocabulary [0, {self.vocab_size})")
+    def _check_ids(self, field: str, ids: Iterable[int]) -> None:
+        check_in_vocabulary(field, ids, self.vocab_size)
 
     def _check_length(self, field: str, chars: int) -> None:
         if chars > self.max_prompt_chars:
