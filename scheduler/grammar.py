@@ -36,7 +36,10 @@ logger = logging.getLogger("radixserve.scheduler")
 
 COMPILE_THREADS = 2
 CACHE_SIZE = 256  # distinct compiled grammars kept
-COMPILE_TIMEOUT_S = 30.0  # past this a request's grammar is an error (client input: bounded)
+COMPILE_TIMEOUT_S = 30.0  # CPU seconds a compile may take (client input: bounded)
+# A request's wall time in the grammar queue, at most: a compile at idle priority on a busy
+# machine gets little CPU, so its CPU time bounds the work and this the wait.
+WALL_LIMIT_FACTOR = 4
 
 _GRAMMAR = attrgetter("grammar")
 
@@ -78,7 +81,8 @@ class GrammarBackend:
         self._pool = ThreadPoolExecutor(
             threads, thread_name_prefix="grammar-compile", initializer=_yield_to_forward
         )
-        self._running: list[Future[xgr.CompiledGrammar]] = []  # handed to the pool, not done
+        # Handed to the pool and not done, each with its thread's CPU clock once it starts.
+        self._running: dict[Future[xgr.CompiledGrammar], _CpuClock] = {}
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
 
@@ -92,8 +96,9 @@ class GrammarBackend:
             return future
         if self.busy() >= self.threads:
             return None
-        future = self._pool.submit(self._compile, field, spec)
-        self._running.append(future)
+        clock = _CpuClock()
+        future = self._pool.submit(self._compile, field, spec, clock)
+        self._running[future] = clock
         self._cache[key] = future
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -101,10 +106,16 @@ class GrammarBackend:
 
     def busy(self) -> int:
         """Compiles running now, those whose requests timed out included."""
-        self._running = [f for f in self._running if not f.done()]
+        self._running = {f: c for f, c in self._running.items() if not f.done()}
         return len(self._running)
 
-    def _compile(self, field: str, spec: str) -> xgr.CompiledGrammar:
+    def cpu_seconds(self, future: Future[xgr.CompiledGrammar]) -> float:
+        """The CPU time a running compile has taken so far (0 before it starts)."""
+        clock = self._running.get(future)
+        return 0.0 if clock is None else clock.seconds()
+
+    def _compile(self, field: str, spec: str, clock: _CpuClock) -> xgr.CompiledGrammar:
+        clock.start()
         compiler = self._get_compiler()
         if field == "json_schema":
             # No free whitespace: a small model at temperature 1 could otherwise pad forever.
@@ -127,13 +138,31 @@ class GrammarBackend:
             return self._compiler
 
 
+class _CpuClock:
+    """The CPU time of the pool thread running one compile, read from the scheduler's thread."""
+
+    def __init__(self) -> None:
+        self._clock_id: int | None = None
+
+    def start(self) -> None:  # on the compile's thread
+        self._clock_id = time.pthread_getcpuclockid(threading.get_ident())
+
+    def seconds(self) -> float:
+        if self._clock_id is None:
+            return 0.0
+        try:
+            return time.clock_gettime(self._clock_id)
+        except OSError:  # the thread ended just now
+            return 0.0
+
+
 @dataclass(slots=True)
 class _Compiling:
     req: Req
     field: str
     spec: str
     future: Future[xgr.CompiledGrammar] | None  # None: waits for a compile thread
-    deadline: float
+    arrived: float
 
 
 class GrammarQueue:
@@ -142,7 +171,8 @@ class GrammarQueue:
 
     def __init__(self, backend: GrammarBackend, timeout_s: float = COMPILE_TIMEOUT_S):
         self.backend = backend
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # a compile's CPU time
+        self.wall_limit_s = WALL_LIMIT_FACTOR * timeout_s  # the whole time in this queue
         self._compiling: list[_Compiling] = []
 
     def __len__(self) -> int:
@@ -150,8 +180,7 @@ class GrammarQueue:
 
     def add(self, req: Req, field: str, spec: str) -> None:
         future = self.backend.compile(field, spec)
-        deadline = time.monotonic() + self.timeout_s
-        self._compiling.append(_Compiling(req, field, spec, future, deadline))
+        self._compiling.append(_Compiling(req, field, spec, future, time.monotonic()))
 
     def remove(self, rid: str) -> Req | None:
         for entry in self._compiling:
@@ -162,21 +191,23 @@ class GrammarQueue:
 
     def take_ready(self) -> tuple[list[Req], list[ReqError]]:
         """The requests whose grammar is ready, each with its own matcher, in arrival order, and
-        the errors of those whose grammar failed to compile or took too long (the timeout counts
-        the wait for a compile thread too: the time in this queue is bounded)."""
+        the errors of those whose grammar failed to compile or took too long: more than
+        `timeout_s` of CPU time compiling, or `wall_limit_s` in this queue in all (waiting for a
+        compile thread included: the time here is bounded)."""
         ready: list[Req] = []
         errors: list[ReqError] = []
         now = time.monotonic()
         still: list[_Compiling] = []
         for entry in self._compiling:
             rid, field = entry.req.rid, entry.field
-            if entry.future is None and now <= entry.deadline:
+            waited = now - entry.arrived
+            if entry.future is None and waited <= self.wall_limit_s:
                 entry.future = self.backend.compile(field, entry.spec)
             if entry.future is None:
-                if now > entry.deadline:
+                if waited > self.wall_limit_s:
                     message = (
-                        f"{field} waited {self.timeout_s:g} s for a compile thread (the server's "
-                        "grammar compiles are all taken); retry later"
+                        f"{field} waited {self.wall_limit_s:g} s for a compile thread (the "
+                        "server's grammar compiles are all taken); retry later"
                     )
                     errors.append(ReqError(rid, "overloaded", message))
                 else:
@@ -188,9 +219,15 @@ class GrammarQueue:
                     ready.append(entry.req)
                 else:
                     errors.append(ReqError(rid, "invalid_request", f"{field}: {_reason(error)}"))
-            elif now > entry.deadline:
-                message = f"{field} did not compile within {self.timeout_s:g} s"
+            elif self.backend.cpu_seconds(entry.future) > self.timeout_s:
+                message = f"{field} did not compile within {self.timeout_s:g} s of CPU time"
                 errors.append(ReqError(rid, "invalid_request", message))
+            elif waited > self.wall_limit_s:
+                message = (
+                    f"{field} did not compile within {self.wall_limit_s:g} s (the server is "
+                    "busy); retry later"
+                )
+                errors.append(ReqError(rid, "overloaded", message))
             else:
                 still.append(entry)
         self._compiling = still
