@@ -351,3 +351,72 @@ def test_seeded_requests_get_the_same_tokens_with_ngram_alone_and_among_others(r
     crowd = make_scheduler(runner, NGRAM)
     outs = serve(crowd, [*others[:6], *ours, *others[6:]], stagger=1)
     assert {rid: tokens_of(outs[rid]) for rid in want} == want
+
+
+# ---- STANDALONE: a draft model proposes, the same verification accepts --------------------------
+
+STEPS = 4  # the draft model's steps per speculating request
+STANDALONE = SpecConfig(
+    "STANDALONE", num_draft_tokens=STEPS + 1, ngram_min=1, ngram_max=4, disable_by_batch_size=64
+)
+
+
+def load_with_draft(model: Path, draft: Path) -> ModelRunner:
+    runner = ModelRunner(
+        str(model),
+        dtype=torch.float32,
+        device=CPU,
+        max_total_tokens=1024,
+        mem_fraction_static=0.0,
+        tp=TPGroup(),
+        seed=0,
+        draft_model_path=str(draft),
+    )
+    assert runner.draft is not None
+    return runner
+
+
+@pytest.fixture(params=["random", "self"])
+def drafted(request, tiny_model) -> tuple[str, ModelRunner, ModelRunner]:
+    """(which draft, the plain target, the target with a draft model): a random one with the
+    same vocabulary (another architecture and depth: mostly rejected), or the target itself
+    (always accepted)."""
+    target = tiny_model("qwen3")
+    draft = tiny_model("llama", num_hidden_layers=1) if request.param == "random" else target
+    return request.param, load_runner(target), load_with_draft(target, draft)
+
+
+def assert_acceptance(kind: str, s: Scheduler) -> None:
+    """The target drafting for itself: every draft accepted (its KV at each position was
+    computed over the same tokens as the target's); a random draft: mostly rejected."""
+    stats = s.drafter.stats if s.drafter is not None else None
+    assert stats is not None and stats.verifies > 0
+    if kind == "self":
+        assert stats.accepted == stats.drafts, (stats.accepted, stats.drafts)
+        assert stats.drafts > stats.verifies * (STEPS - 1)  # K drafts, where max_new_tokens allows
+    else:
+        assert stats.accepted < stats.drafts / 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_outputs_are_token_equal_with_standalone(drafted, overlap: bool) -> None:
+    kind, plain, runner = drafted
+    want = serve(make_scheduler(plain, None), greedy_requests(), stagger=0)
+    s = make_scheduler(runner, STANDALONE, overlap=overlap, chunk=24)
+    assert_same_outputs(serve(s, greedy_requests(), stagger=1), want)
+    assert s.stats.num_mixed_steps > 0
+    assert_acceptance(kind, s)
+    alone = make_scheduler(runner, STANDALONE, overlap=overlap)
+    for msg in greedy_requests()[:4]:
+        assert_same_outputs(serve(alone, [msg], 0), {msg.rid: want[msg.rid]})
+    assert_acceptance(kind, alone)
+
+
+def test_greedy_outputs_survive_retractions_with_standalone(drafted) -> None:
+    kind, plain, runner = drafted
+    reqs = [request(f"r{i}", p, 60, ignore_eos=True) for i, p in enumerate(repetitive_prompts(16))]
+    want = serve(make_scheduler(plain, None), reqs, stagger=0)
+    s = make_scheduler(runner, STANDALONE, pool=400)
+    assert_same_outputs(serve(s, reqs, stagger=0), want)
+    assert s.stats.num_retractions > 0
+    assert_acceptance(kind, s)
