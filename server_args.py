@@ -185,7 +185,7 @@ _HELP = {
     "up to this many minus one drafts (STANDALONE: --speculative-num-steps + 1, as SGLang's "
     "chain)",
     "speculative_draft_model_path": "STANDALONE: the draft model (a directory or Hub id), run "
-    "beside the model in the same process with a KV cache of its own",
+    "beside the model in the same process with a KV cache of its own (default: none)",
     "speculative_num_steps": "STANDALONE: draft tokens the draft model proposes per request "
     "and step, one forward each (default: 3)",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest run of a request's last tokens "

@@ -134,22 +134,33 @@ class DraftModel:
 
 
 def _step(
-    batch: ModelWorkerBatch, rows: torch.Tensor | None = None, **columns: torch.Tensor
+    batch: ModelWorkerBatch,
+    *,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> ModelWorkerBatch:
-    """A draft pass over some of the batch's sequences (`rows`; all by default), its own token
-    columns and lengths given. Each sequence's KV slots are cut at its new length: the slots
-    past it (the drafts' that follow) are padding to this pass."""
+    """A draft pass over some of the batch's sequences (`rows`; all by default) with these
+    tokens and lengths. Each sequence's KV slots are cut at its new length: the slots past it
+    (the drafts' that follow) are padding to this pass."""
     kv_slots = batch.kv_slots if rows is None else batch.kv_slots[rows]
-    seq_lens = columns["prefix_lens"] + columns["extend_lens"]
+    seq_lens = prefix_lens + extend_lens
     width = int(seq_lens.max())
     kv_slots = kv_slots[:, :width] * (torch.arange(width)[None, :] < seq_lens[:, None])
     return replace(
         batch,
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
         kv_slots=kv_slots,
         prompt_logprob_rows=None,
         prompt_logprob_targets=None,
         draft_lens=None,
-        **columns,
     )
 
 
