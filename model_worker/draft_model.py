@@ -29,6 +29,7 @@ STANDALONE with --tp-size above 1).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from radixserve.model_worker.kv_pool import TokenToKVPool
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.model_loading import LoadedModel
 from radixserve.model_worker.spec_verify import draft_rows
+
+logger = logging.getLogger(__name__)
 
 
 class DraftModel:
@@ -54,6 +57,14 @@ class DraftModel:
         draft_path: str,
     ):
         check_same_vocabulary(target_path, target, draft_path, loaded.config)
+        if loaded.config.max_position_embeddings < target.max_position_embeddings:
+            logger.warning(
+                "the draft model %s was trained on %d positions, the model on %d: its drafts "
+                "past that are likely rejected more often (the outputs stay the model's)",
+                draft_path,
+                loaded.config.max_position_embeddings,
+                target.max_position_embeddings,
+            )
         self.loaded = loaded
         self.dtype = dtype
         self.device = device

@@ -143,7 +143,8 @@ class ModelRunner:
         self, batch: ModelWorkerBatch, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """float32 logits [N, vocab] of the packed token rows `rows` (default: each sequence's
-        last token). Writes the batch's K and V into the pool like `forward`."""
+        last token). Writes the batch's K and V into the pool like `forward` (not into a draft
+        model's: for tests and benchmarks of the model alone)."""
         hidden, last_rows = self._forward_hidden(batch)
         rows = last_rows if rows is None else rows.to(self.device)
         return self.model.compute_logits(hidden[rows])
