@@ -39,7 +39,8 @@ import torch
 from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.kv_pool import TokenToKVPool
 from radixserve.model_worker.model_config import ModelConfig
-from radixserve.model_worker.model_loading import LoadedModel
+from radixserve.model_worker.model_loading import load_model
+from radixserve.model_worker.parallel import TPGroup
 from radixserve.model_worker.spec_verify import draft_rows
 
 logger = logging.getLogger(__name__)
@@ -48,15 +49,21 @@ logger = logging.getLogger(__name__)
 class DraftModel:
     def __init__(
         self,
-        loaded: LoadedModel,
+        draft_path: str,
         *,
+        target_path: str,
+        target: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
-        target: ModelConfig,
-        target_path: str,
-        draft_path: str,
+        attention_backend: str,
+        quantization: str | None,
+        fused_layers: bool,
     ):
-        check_same_vocabulary(target_path, target, draft_path, loaded.config)
+        """The draft's weights, loaded once its vocabulary is known to be the target's."""
+        check_same_vocabulary(target_path, target, draft_path, ModelConfig.from_dir(draft_path))
+        loaded = load_model(
+            draft_path, dtype, device, TPGroup(), attention_backend, quantization, fused_layers
+        )
         if loaded.config.max_position_embeddings < target.max_position_embeddings:
             logger.warning(
                 "the draft model %s was trained on %d positions, the model on %d: its drafts "

@@ -63,20 +63,14 @@ class ModelRunner:
             if tp.size > 1:
                 raise ValueError("a draft model runs with --tp-size 1 only")
             self.draft = DraftModel(
-                load_model(
-                    draft_model_path,
-                    dtype,
-                    device,
-                    tp,
-                    attention_backend,
-                    quantization,
-                    fused_layers,
-                ),
+                draft_model_path,
+                target_path=model_path,
+                target=config,
                 dtype=dtype,
                 device=device,
-                target=config,
-                target_path=model_path,
-                draft_path=draft_model_path,
+                attention_backend=attention_backend,
+                quantization=quantization,
+                fused_layers=fused_layers,
             )
 
         kv_slot_bytes = TokenToKVPool.bytes_per_slot(
