@@ -212,7 +212,7 @@ def load_runner(model: Path, attention_backend: str = "auto") -> ModelRunner:
     )
 
 
-def load_with_draft(model: Path, draft: Path) -> ModelRunner:
+def load_with_draft(model: Path, draft: Path, attention_backend: str = "auto") -> ModelRunner:
     runner = ModelRunner(
         str(model),
         dtype=torch.float32,
@@ -221,6 +221,7 @@ def load_with_draft(model: Path, draft: Path) -> ModelRunner:
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
+        attention_backend=attention_backend,
         draft_model_path=str(draft),
     )
     assert runner.draft is not None
@@ -430,6 +431,17 @@ def test_greedy_outputs_are_token_equal_with_standalone(drafted, overlap: bool) 
     for msg in greedy_requests()[:4]:
         assert_same_outputs(serve(alone, [msg], 0), {msg.rid: want[msg.rid]})
     assert_acceptance(kind, alone)
+
+
+def test_greedy_outputs_are_token_equal_with_standalone_on_torch_native(tiny_model) -> None:
+    """The portable attention backend runs the draft's one-row passes over cut KV slots too."""
+    model = tiny_model("qwen3")
+    runner = load_with_draft(model, model, attention_backend="torch_native")
+    reqs = greedy_requests()[:12]
+    want = serve(make_scheduler(load_runner(model, "torch_native"), None), reqs, stagger=0)
+    s = make_scheduler(runner, STANDALONE, chunk=24)
+    assert_same_outputs(serve(s, reqs, stagger=1), want)
+    assert_acceptance("self", s)
 
 
 def test_greedy_outputs_survive_retractions_with_standalone(drafted) -> None:
