@@ -328,6 +328,10 @@ def serve(args: ServerArgs) -> int:
         signal.signal(signum, _raise_shutdown)
     try:
         model_path = resolve_model_path(args.model)  # may download or convert: interruptible
+        if args.speculative_draft_model_path is not None:  # the model processes read a directory
+            flag = "--speculative-draft-model-path"
+            draft_path = resolve_model_path(args.speculative_draft_model_path, flag)
+            args = msgspec.structs.replace(args, speculative_draft_model_path=draft_path)
     except ModelNotFound as e:
         logger.error("%s", e)
         return 2

@@ -16,6 +16,8 @@ import msgspec
 from radixserve.model_worker.model_source import DEFAULT_MODEL
 from radixserve.protocol.wire import API_KEY_ENV, MAX_API_KEY_CHARS
 
+DEFAULT_NUM_DRAFT_TOKENS = 8
+
 
 class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     model: str = DEFAULT_MODEL
@@ -53,8 +55,11 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     enable_overlap_schedule: bool = False  # default: on with a GPU, off on the CPU
     disable_overlap_schedule: bool = False
     log_interval: int = 40  # decode steps between two log lines
-    speculative_algorithm: str | None = None  # None | NGRAM
-    speculative_num_draft_tokens: int = 8  # rows verified per request: the last token + drafts
+    speculative_algorithm: str | None = None  # None | NGRAM | STANDALONE
+    # Rows verified per request: the last token + drafts
+    speculative_num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    speculative_draft_model_path: str | None = None  # STANDALONE's draft model
+    speculative_num_steps: int | None = None  # STANDALONE's drafts per step; None: 3
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_disable_by_batch_size: int = 4  # more running requests: no speculation
@@ -170,10 +175,16 @@ _HELP = {
     "its result before planning the next (the default on the CPU)",
     "log_interval": "decode steps between two throughput log lines",
     "speculative_algorithm": "speculative decoding: NGRAM guesses a request's next tokens from "
-    "its own prompt and output (prompt lookup) and the model verifies them in one forward; "
-    "outputs are the same as without it (default: off)",
+    "its own prompt and output (prompt lookup), STANDALONE has a smaller draft model with the "
+    "same tokenizer propose them (--speculative-draft-model-path); the model verifies them in "
+    "one forward; outputs are the same as without it (default: off)",
     "speculative_num_draft_tokens": "tokens verified per request and step: its last token and "
-    "up to this many minus one drafts",
+    "up to this many minus one drafts (STANDALONE: --speculative-num-steps + 1, as SGLang's "
+    "chain)",
+    "speculative_draft_model_path": "STANDALONE: the draft model (a directory or Hub id), run "
+    "beside the model in the same process with a KV cache of its own (default: none)",
+    "speculative_num_steps": "STANDALONE: draft tokens the draft model proposes per request "
+    "and step, one forward each (default: 3)",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest run of a request's last tokens "
     "that must match earlier in its prompt or output to propose drafts",
     "speculative_ngram_max_match_window_size": "NGRAM: longest run of last tokens matched (the "
@@ -216,7 +227,7 @@ _HELP = {
 _CHOICES = {
     "dtype": ("auto", "bfloat16", "float16", "float32"),
     "schedule_policy": ("fcfs", "lpm"),
-    "speculative_algorithm": ("NGRAM",),
+    "speculative_algorithm": ("NGRAM", "STANDALONE"),
     "sampling_defaults": ("model", "openai"),
     "attention_backend": ("auto", "torch_native", "cpu_attn"),
     "quantization": ("int8",),
@@ -330,10 +341,41 @@ MAX_SPECULATIVE_TOKENS = 64  # verified rows per request and step
 MAX_NGRAM_WINDOW = 64
 
 
+STANDALONE_DEFAULT_STEPS = 3  # SGLang's choice when a draft model's steps are not given
+
+
+def speculative_num_draft_tokens(args: ServerArgs) -> int:
+    """Rows verified per request and step. STANDALONE drafts a chain (SGLang's topk 1), whose
+    length is its steps: --speculative-num-steps + 1 (SGLang adjusts the flag to that)."""
+    if args.speculative_algorithm == "STANDALONE":
+        return (args.speculative_num_steps or STANDALONE_DEFAULT_STEPS) + 1
+    return args.speculative_num_draft_tokens
+
+
 def check_speculative_args(args: ServerArgs) -> str | None:
     """Why the speculative flags do not fit together, or None."""
     if not 2 <= args.speculative_num_draft_tokens <= MAX_SPECULATIVE_TOKENS:
         return f"--speculative-num-draft-tokens must be in 2..{MAX_SPECULATIVE_TOKENS}"
+    standalone = args.speculative_algorithm == "STANDALONE"
+    draft_model = args.speculative_draft_model_path
+    if standalone != (draft_model is not None):
+        return "--speculative-algorithm STANDALONE and --speculative-draft-model-path go together"
+    steps = args.speculative_num_steps
+    if steps is not None:
+        if not standalone:
+            return "--speculative-num-steps is STANDALONE's (a draft model's steps)"
+        if not 1 <= steps < MAX_SPECULATIVE_TOKENS:
+            return f"--speculative-num-steps must be in 1..{MAX_SPECULATIVE_TOKENS - 1}"
+    if standalone:
+        given = args.speculative_num_draft_tokens
+        chain = speculative_num_draft_tokens(args)
+        if given not in (DEFAULT_NUM_DRAFT_TOKENS, chain):
+            return (
+                f"--speculative-num-draft-tokens {given} with STANDALONE: a draft model proposes "
+                f"a chain, --speculative-num-steps + 1 = {chain} tokens"
+            )
+        if args.tp_size > 1:
+            return "--speculative-algorithm STANDALONE runs with --tp-size 1 only"
     low = args.speculative_ngram_min_match_window_size
     high = args.speculative_ngram_max_match_window_size
     if not 1 <= low <= high <= MAX_NGRAM_WINDOW:

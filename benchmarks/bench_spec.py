@@ -1,7 +1,8 @@
-"""Speculative decoding (NGRAM) on and off: two servers on the same model, taking turns in one run.
+"""Speculative decoding on and off: two servers on the same model, taking turns in one run.
 
     python benchmarks/bench_spec.py [--rounds 3 --edit-requests 8 --chat-requests 8
                                      --output-len 256 --num-requests 64]
+                                    [--algorithm NGRAM | --algorithm STANDALONE --draft-model PATH]
                                     [--spec-args "--speculative-num-draft-tokens 8"]
 
 Workloads, built deterministically from what ships with Python and the model's chat template:
@@ -13,8 +14,10 @@ Workloads, built deterministically from what ships with Python and the model's c
   which speculation must not slow down (the step decides from the batch size).
 edit and chat stop where the model ends its answer (at most --output-len tokens); both servers
 must give the same greedy tokens, which the run checks. Reported per workload and server: output
-tokens/s, TTFT, mean ITL, and NGRAM's accept length (tokens per verifying request step, from the
-servers' counters). On a shared machine one run can be 10% off the next: compare the medians.
+tokens/s, TTFT, mean ITL, and the speculating server's accept length (tokens per verifying
+request step, from the servers' counters). On a shared machine one run can be 10% off the next:
+compare the medians. STANDALONE's draft model must share the model's tokenizer (e.g.
+SmolLM2-135M-Instruct drafting for SmolLM2-360M-Instruct or 1.7B).
 """
 
 from __future__ import annotations
@@ -161,8 +164,13 @@ def main() -> None:
     parser.add_argument("--at-once-output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--server-args", default="", help="extra flags of both servers")
-    parser.add_argument("--spec-args", default="", help="extra flags of the NGRAM server")
+    parser.add_argument("--algorithm", default="NGRAM", choices=("NGRAM", "STANDALONE"))
+    parser.add_argument("--draft-model", help="STANDALONE's draft model (a directory or Hub id)")
+    parser.add_argument("--spec-args", default="", help="extra flags of the speculating server")
     args = parser.parse_args()
+    if (args.algorithm == "STANDALONE") != (args.draft_model is not None):
+        parser.error("--algorithm STANDALONE takes --draft-model, and only it")
+    spec = args.algorithm
 
     from transformers import AutoTokenizer
 
@@ -176,8 +184,9 @@ def main() -> None:
     # No prefix cache: each run computes its prompts, as the first one did.
     common = ["--model", args.model, "--dtype", args.dtype, "--disable-radix-cache"]
     common += args.server_args.split()
+    draft_flags = ["--speculative-draft-model-path", args.draft_model] if args.draft_model else []
     modes = {
-        "NGRAM": ["--speculative-algorithm", "NGRAM", *args.spec_args.split()],
+        spec: ["--speculative-algorithm", spec, *draft_flags, *args.spec_args.split()],
         "off": [],
     }
     results: dict[tuple[str, str], list[RunResult]] = {}
@@ -212,7 +221,7 @@ def main() -> None:
         f"({args.input_len} + {args.at_once_output_len} tokens, ignore_eos)\n"
     )
     for load in workloads:
-        same = sum(a == b for a, b in zip(outputs[(load, "NGRAM")], outputs[(load, "off")]))
+        same = sum(a == b for a, b in zip(outputs[(load, spec)], outputs[(load, "off")]))
         print(f"{load}: greedy outputs equal on {same} of {len(workloads[load])} prompts")
     print()
     rows = []
@@ -222,7 +231,7 @@ def main() -> None:
     print_table(rows, ["accept len"])
     print()
     for load in [*workloads, at_once_name]:
-        on, off = results[(load, "NGRAM")], results[(load, "off")]
+        on, off = results[(load, spec)], results[(load, "off")]
         tput = statistics.median(r.throughput for r in on) / statistics.median(
             r.throughput for r in off
         )
@@ -230,8 +239,8 @@ def main() -> None:
             statistics.mean(r.itls) for r in off
         )
         print(
-            f"{load}: output tok/s NGRAM / off {tput:.2f}x (medians), mean ITL {itl:.2f}x, "
-            f"accept len {', '.join(accept[(load, 'NGRAM')])}"
+            f"{load}: output tok/s {spec} / off {tput:.2f}x (medians), mean ITL {itl:.2f}x, "
+            f"accept len {', '.join(accept[(load, spec)])}"
         )
 
 

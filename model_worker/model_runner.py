@@ -7,18 +7,15 @@ import logging
 import torch
 
 from radixserve.model_worker.batch import ModelWorkerBatch, SampleOutput
-from radixserve.model_worker.forward_batch import ForwardBatch
+from radixserve.model_worker.draft_model import DraftModel
 from radixserve.model_worker.host_memory import meminfo_bytes
-from radixserve.model_worker.kernel_selection import select_kernels
 from radixserve.model_worker.kv_pool import TokenToKVPool
-from radixserve.model_worker.loader import load_weights, loadable_modules
-from radixserve.model_worker.model_config import ModelConfig
-from radixserve.model_worker.models import get_model_class
+from radixserve.model_worker.loader import loadable_modules
+from radixserve.model_worker.model_loading import load_model
 from radixserve.model_worker.parallel import TPGroup
-from radixserve.model_worker.quantization import check_quantization
 from radixserve.model_worker.sampler import Sampler
 from radixserve.model_worker.spec_verify import draft_tokens, verify, verify_rows
-from radixserve.model_worker.weight_format import WeightFormat, tensor_address
+from radixserve.model_worker.weight_format import tensor_address
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +24,6 @@ CPU_MAX_KV_TOKENS = 256 * 1024
 
 # Prompt rows whose logits are computed at once: 256 x a 150k vocabulary is 150 MB of float32.
 PROMPT_LOGPROB_BLOCK = 256
-
-
-class NotEnoughMemory(RuntimeError):
-    pass
 
 
 class ModelRunner:
@@ -47,42 +40,44 @@ class ModelRunner:
         attention_backend: str = "auto",
         quantization: str | None = None,
         fused_layers: bool = True,
+        draft_model_path: str | None = None,
     ):
-        self.model_config = config = ModelConfig.from_dir(model_path)
+        self.loaded = loaded = load_model(
+            model_path, dtype, device, tp, attention_backend, quantization, fused_layers
+        )
+        self.model_config = config = loaded.config
         self.device = device
         self.dtype = dtype
         self.tp = tp
-        _, num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
-        _, num_kv_heads = tp.shard_heads(config.num_key_value_heads, "num_key_value_heads")
-        check_quantization(quantization, device, dtype)
-        kernels = select_kernels(attention_backend, num_heads, num_kv_heads, device, dtype)
-        self.attention_backend = kernels.name
-        self.attn_backend = kernels.attn_backend
+        self.model = loaded.model
+        self.attention_backend = loaded.kernels.name
+        self.attn_backend = loaded.kernels.attn_backend
         self.quantization = quantization
-        weight_format = kernels.ops.weight_format()
-        if quantization == "int8":
-            weight_format = WeightFormat.INT8
-        self.model = get_model_class(config.architecture)(
-            config,
-            tp=tp,
-            attn_backend=kernels.attn_backend,
-            ops=kernels.ops,
-            weight_format=weight_format,
-            dtype=dtype,
-            device=device,
-        )
-        weight_bytes = sum(m.planned_bytes() for m in loadable_modules(self.model).values())
-        if device.type == "cpu":
-            _check_weights_fit(weight_bytes, weight_format, dtype)
-        load_weights(self.model, model_path)
-        # The fused layers call paged_attention themselves, and have no all-reduce between a
-        # layer's matmuls.
-        fusable = fused_layers and kernels.name == "cpu_attn" and tp.size == 1
-        self.fused_layers = fusable and self.model.fuse_layers()
+        self.fused_layers = loaded.fused_layers
+        weight_bytes = loaded.weight_bytes
+        num_kv_heads = loaded.num_kv_heads
+        # STANDALONE speculation: the draft model's own weights and KV pool, addressed by the
+        # same slots as ours (draft_model.py); its KV takes its share of the memory we size.
+        self.draft: DraftModel | None = None
+        if draft_model_path is not None:
+            if tp.size > 1:
+                raise ValueError("a draft model runs with --tp-size 1 only")
+            self.draft = DraftModel(
+                draft_model_path,
+                target_path=model_path,
+                target=config,
+                dtype=dtype,
+                device=device,
+                attention_backend=attention_backend,
+                quantization=quantization,
+                fused_layers=fused_layers,
+            )
 
         kv_slot_bytes = TokenToKVPool.bytes_per_slot(
             config.num_hidden_layers, num_kv_heads, config.head_dim, dtype
         )
+        if self.draft is not None:
+            kv_slot_bytes += self.draft.kv_slot_bytes
         if max_total_tokens is None:
             max_total_tokens = self._kv_tokens_that_fit(kv_slot_bytes, mem_fraction_static)
         # Every rank must agree, or their schedulers would hand out different slots.
@@ -95,10 +90,12 @@ class ModelRunner:
             dtype=dtype,
             device=device,
         )
-        self.sampler = Sampler(device, seed, argmax=kernels.ops.argmax)
+        if self.draft is not None:
+            self.draft.allocate_kv(self.max_total_tokens + 1)
+        self.sampler = Sampler(device, seed, argmax=loaded.kernels.ops.argmax)
         logger.info(
             "Loaded %s (%s, %s, attention backend %s, quantization %s, fused layers %s, "
-            "TP rank %d/%d): weights %.2f GB, KV pool of %d tokens, %.2f GB (its pages taken "
+            "TP rank %d/%d): weights %.2f GB%s, KV pool of %d tokens, %.2f GB (its pages taken "
             "as they are first written)",
             config.architecture,
             dtype,
@@ -109,6 +106,7 @@ class ModelRunner:
             tp.rank,
             tp.size,
             weight_bytes / 1e9,
+            "" if self.draft is None else f" (+ a draft's {self.draft.weight_bytes / 1e9:.2f})",
             self.max_total_tokens,
             self.max_total_tokens * kv_slot_bytes / 1e9,
         )
@@ -117,7 +115,10 @@ class ModelRunner:
     def forward(self, batch: ModelWorkerBatch) -> SampleOutput:
         """The next token of every sequence of the batch, and logprobs where asked for; on the
         CPU. Keeps each penalised request's token counts for its later steps; a speculating
-        batch gets each sequence's accepted run (spec_verify.py)."""
+        batch gets each sequence's accepted run (spec_verify.py). With a draft model, it runs
+        first: its KV for the step's rows, and a speculating batch's drafts."""
+        if self.draft is not None:
+            batch = self.draft.prepare(batch)
         hidden, last_rows = self._forward_hidden(batch)
         draft_lens = batch.draft_lens
         if draft_lens is None:
@@ -136,7 +137,8 @@ class ModelRunner:
         self, batch: ModelWorkerBatch, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """float32 logits [N, vocab] of the packed token rows `rows` (default: each sequence's
-        last token). Writes the batch's K and V into the pool like `forward`."""
+        last token). Writes the batch's K and V into the pool like `forward` (not into a draft
+        model's: for tests and benchmarks of the model alone)."""
         hidden, last_rows = self._forward_hidden(batch)
         rows = last_rows if rows is None else rows.to(self.device)
         return self.model.compute_logits(hidden[rows]).float()
@@ -144,9 +146,7 @@ class ModelRunner:
     def _forward_hidden(self, batch: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The final hidden states of every packed row, and the rows of the sequences' last
         tokens."""
-        fb = ForwardBatch.from_worker_batch(batch, self.device, self.kv_pool)
-        self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb.input_ids, fb.positions, fb), fb.last_rows
+        return self.loaded.hidden_states(batch, self.kv_pool, self.device)
 
     def _prompt_logprobs(
         self, batch: ModelWorkerBatch, hidden: torch.Tensor, out: SampleOutput
@@ -174,7 +174,8 @@ class ModelRunner:
         """One tensor per copy of weights in memory: the model's and its kernels' (a tensor
         held twice, or two views of one buffer, counts once)."""
         unique = {}
-        for module in loadable_modules(self.model).values():
+        models = [self.model] if self.draft is None else [self.model, self.draft.loaded.model]
+        for module in (m for model in models for m in loadable_modules(model).values()):
             for tensor in module.held_tensors():
                 unique[tensor_address(tensor)] = tensor
         return list(unique.values())
@@ -203,13 +204,3 @@ class ModelRunner:
                 "--mem-fraction-static or set --max-total-tokens"
             )
         return tokens
-
-
-def _check_weights_fit(weight_bytes: int, weight_format: WeightFormat, dtype: torch.dtype) -> None:
-    available = meminfo_bytes("MemAvailable")
-    if weight_bytes > available:
-        form = "int8 linear layers" if weight_format is WeightFormat.INT8 else str(dtype)
-        raise NotEnoughMemory(
-            f"the weights take {weight_bytes / 1e9:.2f} GB ({form}) but only "
-            f"{available / 1e9:.2f} GB of memory is available"
-        )

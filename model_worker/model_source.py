@@ -35,7 +35,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("RADIXSERVE_CACHE", Path.home() / ".cache" / "radixserve"))
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, flag: str = "--model") -> str:
     if model == DEFAULT_MODEL:
         return str(default_model_dir())
     path = os.path.expanduser(model)  # "~/models/x" quoted, so that no shell expanded it
@@ -44,7 +44,7 @@ def resolve_model_path(model: str) -> str:
             raise ModelNotFound(f"{model} is a directory but has no config.json")
         return os.path.abspath(path)
     if _looks_like_a_path(model):
-        raise ModelNotFound(f"--model {model}: no such directory")
+        raise ModelNotFound(f"{flag} {model}: no such directory")
     return _from_hub(model)
 
 

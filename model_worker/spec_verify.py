@@ -37,12 +37,17 @@ def verify_rows(extend_lens: torch.Tensor, draft_lens: torch.Tensor) -> torch.Te
     return _spans(ends - counts, counts)
 
 
+def draft_rows(extend_lens: torch.Tensor, draft_lens: torch.Tensor) -> torch.Tensor:
+    """The packed rows of every sequence's drafts, back to back: its last draft_lens rows."""
+    ends = torch.cumsum(extend_lens, 0)
+    return _spans(ends - draft_lens, draft_lens)
+
+
 def draft_tokens(
     input_ids: torch.Tensor, extend_lens: torch.Tensor, draft_lens: torch.Tensor
 ) -> torch.Tensor:
     """The drafts of every sequence, back to back: the last draft_lens of its extend tokens."""
-    ends = torch.cumsum(extend_lens, 0)
-    return input_ids[_spans(ends - draft_lens, draft_lens)]
+    return input_ids[draft_rows(extend_lens, draft_lens)]
 
 
 def expand_rows(info: SamplingBatchInfo, draft_lens: torch.Tensor) -> SamplingBatchInfo:

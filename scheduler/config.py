@@ -9,8 +9,10 @@ from dataclasses import dataclass
 class SpecConfig:
     """Speculative decoding (speculation.py), SGLang's flags."""
 
-    algorithm: str  # "NGRAM"
-    num_draft_tokens: int  # rows verified per request and step: its last token and the drafts
+    algorithm: str  # "NGRAM" | "STANDALONE"
+    # Rows verified per request and step: its last token and the drafts (STANDALONE: the draft
+    # model's steps + 1, a chain as SGLang's with topk 1)
+    num_draft_tokens: int
     ngram_min: int  # shortest match of a request's last tokens that proposes drafts
     ngram_max: int  # longest
     disable_by_batch_size: int  # a step with more running requests does not speculate

@@ -53,6 +53,6 @@ class NgramIndex:
 class SpecState:
     """One request's drafting state (Req.spec; speculation.py reads and writes it)."""
 
-    index: NgramIndex
+    index: NgramIndex | None  # None: the drafts come from a draft model (STANDALONE)
     accept_rate: float = 1.0  # recent accepted / drafted
     cooldown: int = 0  # steps left without drafting

@@ -44,7 +44,7 @@ from radixserve.protocol.wire import FinishReason, ModelInfoReply
 from radixserve.scheduler.config import SchedulerConfig, SpecConfig
 from radixserve.scheduler.grammar import GrammarBackend
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.server_args import RankPlacement, ServerArgs
+from radixserve.server_args import RankPlacement, ServerArgs, speculative_num_draft_tokens
 
 logger = logging.getLogger("radixserve.scheduler")
 
@@ -77,6 +77,7 @@ def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlaceme
         attention_backend=args.attention_backend,
         quantization=args.quantization,
         fused_layers=not args.disable_fused_layers,
+        draft_model_path=args.speculative_draft_model_path,
     )
 
 
@@ -85,7 +86,7 @@ def speculative_config(args: ServerArgs) -> SpecConfig | None:
         return None
     return SpecConfig(
         algorithm=args.speculative_algorithm,
-        num_draft_tokens=args.speculative_num_draft_tokens,
+        num_draft_tokens=speculative_num_draft_tokens(args),
         ngram_min=args.speculative_ngram_min_match_window_size,
         ngram_max=args.speculative_ngram_max_match_window_size,
         disable_by_batch_size=args.speculative_disable_by_batch_size,

@@ -6,6 +6,11 @@ scores every row and accepts the longest run the target model agrees with (spec_
 the target's own token after it. Verification keeps the target's outputs exactly, so speculation
 only changes how many forwards they take.
 
+STANDALONE (a draft model): the scheduler decides which requests draft and how many tokens (K,
+--speculative-num-steps, fewer where max_new_tokens or the KV left say so) exactly as for NGRAM,
+and allocates their slots; the draft model in the model worker writes its drafts over
+placeholders (model_worker/draft_model.py), and verification is NGRAM's.
+
 When it pays. Checking k extra rows costs about one row's weight reads at a small batch on the
 CPU, but real compute once the batch is large: a step speculates only while at most
 --speculative-disable-by-batch-size requests run (vLLM's flag). A request whose drafts keep
@@ -26,6 +31,9 @@ from radixserve.scheduler.req import Req
 ACCEPT_RATE_WEIGHT = 0.5
 MIN_ACCEPT_RATE = 0.2
 COOLDOWN_STEPS = 16
+# The token a STANDALONE draft stands in as until the model worker's draft model writes its own
+# over it: the scheduler only needs how many drafts a request verifies, never which.
+STANDALONE_PLACEHOLDER = 0
 
 
 @dataclass(slots=True)
@@ -71,21 +79,24 @@ class Drafter:
         plain = req.seen is None and req.grammar is None
         if not plain or params.logit_bias or params.min_new_tokens or req.future_ids or limit <= 0:
             return []
+        cfg = self.config
         state = req.spec
         if state is None:
-            cfg = self.config
-            state = req.spec = SpecState(NgramIndex(cfg.ngram_min, cfg.ngram_max))
+            index = NgramIndex(cfg.ngram_min, cfg.ngram_max) if cfg.algorithm == "NGRAM" else None
+            state = req.spec = SpecState(index)
         if state.cooldown > 0:
             state.cooldown -= 1
             if state.cooldown == 0:
                 state.accept_rate = 1.0
             return []
         index = state.index
+        if index is None:  # STANDALONE: the draft model fills these in (draft_model.py)
+            return [STANDALONE_PLACEHOLDER] * min(limit, cfg.max_drafts)
         n_prompt = len(req.origin_input_ids)
         if len(index) < n_prompt:
             index.extend(req.origin_input_ids)
         index.extend(req.output_ids[len(index) - n_prompt :])
-        return index.propose(min(limit, self.config.max_drafts))
+        return index.propose(min(limit, cfg.max_drafts))
 
     def record(self, req: Req, num_drafts: int, num_accepted: int) -> None:
         """A verify's outcome: the stats, and the request's recent acceptance."""

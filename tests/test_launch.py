@@ -64,6 +64,10 @@ def test_a_missing_directory_is_called_one():
     assert out.returncode == 2
     assert "/no/such/dir: no such directory" in out.stderr
     assert "Hub" not in out.stderr
+    draft = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "/no/d")
+    out = launch(*draft)
+    assert out.returncode == 2
+    assert "--speculative-draft-model-path /no/d: no such directory" in out.stderr
 
 
 def test_an_unreachable_hub_id_suggests_the_installed_hub_command():

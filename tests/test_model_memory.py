@@ -15,7 +15,8 @@ from safetensors import safe_open
 from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.loader import loadable_modules, safetensors_files
-from radixserve.model_worker.model_runner import ModelRunner, NotEnoughMemory
+from radixserve.model_worker.model_loading import NotEnoughMemory
+from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.parallel import TPGroup
 from radixserve.process_setup import release_freed_memory
 

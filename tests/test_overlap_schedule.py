@@ -235,13 +235,7 @@ def test_servers_with_and_without_overlap_give_the_same_tokens(servers) -> None:
     info = {mode: r.pop("info") for mode, r in results.items()}
     for r in results.values():
         assert r.pop("aborted") == "abort"
-    joined = {
-        mode: {
-            rid: {index: [sum((p[0] for p in v), [])] for index, v in pieces.items()}
-            for rid, pieces in r.items()
-        }
-        for mode, r in results.items()
-    }
+    joined = {mode: _tokens(r) for mode, r in results.items()}
     assert joined["overlap"] == joined["off"]
     texts = {
         mode: {rid: {k: "".join(p[1] for p in v) for k, v in ps.items()} for rid, ps in r.items()}
@@ -260,3 +254,30 @@ def test_servers_with_and_without_overlap_give_the_same_tokens(servers) -> None:
     for mode, i in info.items():
         assert i.running_requests == 0 and i.kv_tokens_used == 0, mode
     assert info["overlap"].spec_verifies > 0 and info["off"].spec_verifies == 0
+
+
+def _tokens(results: dict[str, Any]) -> dict[str, dict[int, list[list[int]]]]:
+    """_mixed_load's output tokens, per request and index."""
+    return {
+        rid: {index: [sum((p[0] for p in v), [])] for index, v in pieces.items()}
+        for rid, pieces in results.items()
+        if rid not in ("info", "aborted")
+    }
+
+
+def test_a_standalone_server_gives_the_same_tokens(servers, tiny_served_model) -> None:
+    """STANDALONE end to end, the model as its own draft: the draft's path through the
+    launcher, its KV mirrored in overlapped steps while more than 3 requests run, drafts once
+    at most 3 do."""
+    model = str(tiny_served_model)
+    draft = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model)
+    draft += ("--speculative-num-steps", "3", "--speculative-disable-by-batch-size", "3")
+    with launched_server(
+        "--model", model, "--enable-overlap-schedule", *SERVER_ARGS, *draft
+    ) as standalone:
+        got = asyncio.run(_mixed_load(standalone.address))
+    want = asyncio.run(_mixed_load(servers["off"].address))
+    assert _tokens(got) == _tokens(want)
+    info = got["info"]
+    assert info.spec_verifies > 0 and info.spec_accepted_tokens > info.spec_verifies
+    assert info.running_requests == 0 and info.kv_tokens_used == 0

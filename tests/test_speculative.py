@@ -1,12 +1,14 @@
-"""Speculative decoding (NGRAM): the same outputs with it as without, in fewer forwards.
+"""Speculative decoding (NGRAM, STANDALONE): the same outputs with it as without, in fewer forwards.
 
 The n-gram index against a rescan; verification in-process on the sampler (exactness of the
 accepted runs' distribution by chi-square, seeded batch invariance); and the real scheduler over a
 real tiny random model, greedy and seeded, alone, in mixed batches with chunked prefill, with
-overlap, and with retractions forced by a small KV pool."""
+overlap, and with retractions forced by a small KV pool. STANDALONE's draft model is a random
+one (its drafts rejected) or the target itself (its drafts all accepted)."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -26,10 +28,21 @@ from radixserve.protocol.wire import SamplingParams
 from radixserve.scheduler.config import SchedulerConfig, SpecConfig
 from radixserve.scheduler.ngram import NgramIndex
 from radixserve.scheduler.scheduler import Scheduler
+from radixserve.server_args import (
+    ServerArgs,
+    build_parser,
+    check_server_args,
+    check_speculative_args,
+    speculative_num_draft_tokens,
+)
 from radixserve.tokenizer_manager.metrics import Metrics
 
 CPU = torch.device("cpu")
 NGRAM = SpecConfig("NGRAM", num_draft_tokens=6, ngram_min=1, ngram_max=4, disable_by_batch_size=64)
+STEPS = 4  # the draft model's steps per speculating request
+STANDALONE = SpecConfig(
+    "STANDALONE", num_draft_tokens=STEPS + 1, ngram_min=1, ngram_max=4, disable_by_batch_size=64
+)
 
 # ---- the n-gram index ------------------------------------------------------------------------
 
@@ -199,6 +212,22 @@ def load_runner(model: Path, attention_backend: str = "auto") -> ModelRunner:
     )
 
 
+def load_with_draft(model: Path, draft: Path, attention_backend: str = "auto") -> ModelRunner:
+    runner = ModelRunner(
+        str(model),
+        dtype=torch.float32,
+        device=CPU,
+        max_total_tokens=1024,
+        mem_fraction_static=0.0,
+        tp=TPGroup(),
+        seed=0,
+        attention_backend=attention_backend,
+        draft_model_path=str(draft),
+    )
+    assert runner.draft is not None
+    return runner
+
+
 @pytest.fixture
 def runner(tiny_model) -> ModelRunner:
     """One model for a test's schedulers: each writes a KV slot before reading it, and greedy
@@ -331,9 +360,21 @@ def test_greedy_outputs_survive_retractions_with_ngram(runner) -> None:
     assert s.drafter is not None and s.drafter.stats.accepted > 0
 
 
-def test_seeded_requests_get_the_same_tokens_with_ngram_alone_and_among_others(runner) -> None:
+@pytest.fixture(params=["NGRAM", "STANDALONE"])
+def speculating(request, tiny_model) -> tuple[ModelRunner, SpecConfig]:
+    """A runner and a speculative config: NGRAM, or STANDALONE with the target as its draft."""
+    model = tiny_model("qwen3")
+    if request.param == "NGRAM":
+        return load_runner(model), NGRAM
+    return load_with_draft(model, model), STANDALONE
+
+
+def test_seeded_requests_get_the_same_tokens_speculating_alone_and_among_others(
+    speculating,
+) -> None:
     """Four seeded requests: each the same tokens as without speculation, alone, and all four
     together among 12 unseeded ones."""
+    runner, spec = speculating
     prompts = repetitive_prompts(16, seed=5)
     ours = [
         request(f"s{i}", prompts[i], 32, temperature=0.1, top_k=20, seed=100 + i, ignore_eos=True)
@@ -342,12 +383,106 @@ def test_seeded_requests_get_the_same_tokens_with_ngram_alone_and_among_others(r
     want = {m.rid: tokens_of(serve(make_scheduler(runner, None), [m], 0)[m.rid]) for m in ours}
     accepted = 0
     for msg in ours:
-        alone = make_scheduler(runner, NGRAM)
+        alone = make_scheduler(runner, spec)
         assert tokens_of(serve(alone, [msg], 0)[msg.rid]) == want[msg.rid]
         assert alone.drafter is not None
         accepted += alone.drafter.stats.accepted
     assert accepted > 0
     others = [request(f"o{i}", p, 20, temperature=1.0) for i, p in enumerate(prompts[4:])]
-    crowd = make_scheduler(runner, NGRAM)
+    crowd = make_scheduler(runner, spec)
     outs = serve(crowd, [*others[:6], *ours, *others[6:]], stagger=1)
     assert {rid: tokens_of(outs[rid]) for rid in want} == want
+
+
+# ---- STANDALONE: a draft model proposes, the same verification accepts --------------------------
+
+
+@pytest.fixture(params=["random", "self"])
+def drafted(request, tiny_model) -> tuple[str, ModelRunner, ModelRunner]:
+    """(which draft, the plain target, the target with a draft model): a random one with the
+    same vocabulary (another architecture and depth: mostly rejected), or the target itself
+    (always accepted)."""
+    target = tiny_model("qwen3")
+    draft = tiny_model("llama", num_hidden_layers=1) if request.param == "random" else target
+    return request.param, load_runner(target), load_with_draft(target, draft)
+
+
+def assert_acceptance(kind: str, s: Scheduler) -> None:
+    """The target drafting for itself: every draft accepted (its KV at each position was
+    computed over the same tokens as the target's); a random draft: mostly rejected."""
+    stats = s.drafter.stats if s.drafter is not None else None
+    assert stats is not None and stats.verifies > 0
+    if kind == "self":
+        assert stats.accepted == stats.drafts, (stats.accepted, stats.drafts)
+        assert stats.drafts > stats.verifies * (STEPS - 1)  # K drafts, where max_new_tokens allows
+    else:
+        assert stats.accepted < stats.drafts / 2
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_outputs_are_token_equal_with_standalone(drafted, overlap: bool) -> None:
+    kind, plain, runner = drafted
+    want = serve(make_scheduler(plain, None), greedy_requests(), stagger=0)
+    s = make_scheduler(runner, STANDALONE, overlap=overlap, chunk=24)
+    assert_same_outputs(serve(s, greedy_requests(), stagger=1), want)
+    assert s.stats.num_mixed_steps > 0
+    assert_acceptance(kind, s)
+    alone = make_scheduler(runner, STANDALONE, overlap=overlap)
+    for msg in greedy_requests()[:4]:
+        assert_same_outputs(serve(alone, [msg], 0), {msg.rid: want[msg.rid]})
+    assert_acceptance(kind, alone)
+
+
+def test_greedy_outputs_are_token_equal_with_standalone_on_torch_native(tiny_model) -> None:
+    """The portable attention backend runs the draft's one-row passes over cut KV slots too."""
+    model = tiny_model("qwen3")
+    runner = load_with_draft(model, model, attention_backend="torch_native")
+    reqs = greedy_requests()[:12]
+    want = serve(make_scheduler(load_runner(model, "torch_native"), None), reqs, stagger=0)
+    s = make_scheduler(runner, STANDALONE, chunk=24)
+    assert_same_outputs(serve(s, reqs, stagger=1), want)
+    assert_acceptance("self", s)
+
+
+def test_greedy_outputs_survive_retractions_with_standalone(drafted) -> None:
+    kind, plain, runner = drafted
+    reqs = [request(f"r{i}", p, 60, ignore_eos=True) for i, p in enumerate(repetitive_prompts(16))]
+    want = serve(make_scheduler(plain, None), reqs, stagger=0)
+    s = make_scheduler(runner, STANDALONE, pool=400)
+    assert_same_outputs(serve(s, reqs, stagger=0), want)
+    assert s.stats.num_retractions > 0
+    assert_acceptance(kind, s)
+
+
+def test_a_draft_model_must_share_the_targets_vocabulary(tiny_model) -> None:
+    target, draft = tiny_model("qwen3"), tiny_model("qwen3", vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens, the model .* of 256"):
+        load_with_draft(target, draft)
+    other = tiny_model("qwen3")
+    for path, vocab in ((target, {"a": 0, "b": 1}), (other, {"a": 1, "b": 0})):
+        (path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        load_with_draft(target, other)
+
+
+def test_standalone_flags_are_sglangs_and_checked_before_anything_starts() -> None:
+    def args(*argv: str) -> ServerArgs:
+        return ServerArgs(**vars(build_parser().parse_args(list(argv))))
+
+    draft = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "/d")
+    assert check_speculative_args(args(*draft)) is None
+    assert speculative_num_draft_tokens(args(*draft)) == 4  # SGLang's 3 steps, a chain
+    steps = args(*draft, "--speculative-num-steps", "5", "--speculative-num-draft-tokens", "6")
+    assert check_speculative_args(steps) is None and speculative_num_draft_tokens(steps) == 6
+    wrong = {
+        ("--speculative-algorithm", "STANDALONE"): "go together",
+        ("--speculative-draft-model-path", "/d"): "go together",
+        ("--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3"): "STANDALONE's",
+        (*draft, "--speculative-num-steps", "0"): "must be in 1..63",
+        (*draft, "--speculative-num-draft-tokens", "6"): "--speculative-num-steps + 1 = 4",
+        (*draft, "--tp-size", "2"): "with --tp-size 1 only",
+    }
+    for argv, message in wrong.items():
+        mistake = check_speculative_args(args(*argv))
+        assert mistake is not None and message in mistake, argv
+    assert check_server_args(args(*draft, "--tp-size", "2")) is not None
