@@ -139,19 +139,24 @@ class GrammarBackend:
 
 
 class _CpuClock:
-    """The CPU time of the pool thread running one compile, read from the scheduler's thread."""
+    """The CPU time one compile has taken on its pool thread, read from the scheduler's thread.
+    A pool thread runs compile after compile: its clock counts from the thread's start, so the
+    compile's time is the clock past its reading at the compile's start."""
 
     def __init__(self) -> None:
         self._clock_id: int | None = None
+        self._started_at = 0.0
 
     def start(self) -> None:  # on the compile's thread
-        self._clock_id = time.pthread_getcpuclockid(threading.get_ident())
+        clock_id = time.pthread_getcpuclockid(threading.get_ident())
+        self._started_at = time.clock_gettime(clock_id)
+        self._clock_id = clock_id  # last: `seconds` reads _started_at once this is set
 
     def seconds(self) -> float:
         if self._clock_id is None:
             return 0.0
         try:
-            return time.clock_gettime(self._clock_id)
+            return time.clock_gettime(self._clock_id) - self._started_at
         except OSError:  # the thread ended just now
             return 0.0
 

@@ -260,6 +260,30 @@ def test_the_compile_timeout_counts_the_compiles_cpu_time(
     assert s.errors[0].message == "json_schema did not compile within 0.05 s of CPU time"
 
 
+def test_a_compiles_cpu_time_counts_from_its_start_not_from_its_threads(
+    tiny_served_model: Path,
+) -> None:
+    """The pool's threads live on from compile to compile: the CPU time that bounds a compile is
+    its own, not its thread's since it was created (else a thread that has compiled 30 s of
+    grammars in all refuses every grammar it takes after)."""
+    backend = GrammarBackend(str(tiny_served_model), 49152, threads=1)
+
+    def burn(seconds: float) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            pass
+
+    backend._pool.submit(burn, 0.5).result()  # the one thread has worked before
+    with backend._compiler_lock:  # the compile starts, then waits without using a CPU
+        future = backend.compile("regex", "a")
+        assert future is not None
+        clock = backend._running[future]
+        while clock._clock_id is None:
+            time.sleep(0.005)
+        assert backend.cpu_seconds(future) < 0.25
+    assert future.result(timeout=60) is not None
+
+
 def test_the_cache_is_bounded_and_keyed_by_the_spec(tiny_served_model: Path) -> None:
     backend = GrammarBackend(str(tiny_served_model), 49152, cache_size=2, threads=3)
     first = backend.compile("regex", "a")
