@@ -454,6 +454,27 @@ def test_greedy_outputs_survive_retractions_with_standalone(drafted) -> None:
     assert_acceptance(kind, s)
 
 
+def test_a_prefix_hit_reads_the_drafts_kv_written_while_speculating(tiny_model) -> None:
+    """A prompt that continues a finished request's prompt and output hits the prefix cache over
+    positions that both models computed in verified steps (accepted drafts included): the target
+    drafting for itself, every draft after the hit is accepted, so the draft's KV there has no
+    hole and holds the same tokens as the target's."""
+    model = tiny_model("qwen3")
+    plain, runner = load_runner(model), load_with_draft(model, model)
+    first = request("first", repetitive_prompts(1, seed=3)[0], 40, ignore_eos=True)
+    s = make_scheduler(runner, STANDALONE)
+    generated = tokens_of(serve(s, [first], 0)["first"])
+    assert s.drafter is not None and s.drafter.stats.accepted > 0
+    follow = request("follow", [*first.input_ids, *generated[:-1], 7, 9], 30, ignore_eos=True)
+    want = serve(make_scheduler(plain, None), [follow], 0)
+    cached = s.stats.cached_tokens
+    verifies = s.drafter.stats.verifies
+    assert_same_outputs(serve(s, [follow], 0), want)
+    assert s.stats.cached_tokens - cached > len(first.input_ids)  # the hit runs into the output
+    stats = s.drafter.stats
+    assert stats.verifies > verifies and stats.accepted == stats.drafts
+
+
 def test_a_draft_model_must_share_the_targets_vocabulary(tiny_model) -> None:
     target, draft = tiny_model("qwen3"), tiny_model("qwen3", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens, the model .* of 256"):
