@@ -73,6 +73,7 @@ class DraftModel:
                 target.max_position_embeddings,
             )
         self.loaded = loaded
+        self.narrower = loaded.config.vocab_size < target.vocab_size  # than the target's
         self.dtype = dtype
         self.device = device
         config = loaded.config
@@ -145,6 +146,11 @@ class DraftModel:
 
     def _hidden(self, batch: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.kv_pool is not None, "allocate_kv first"
+        if self.narrower:
+            # An id past the draft's embedding is past the tokenizer too (a client's input_ids
+            # may hold one): any row stands in for it; only the drafts' acceptance can change.
+            vocab = self.loaded.config.vocab_size
+            batch = replace(batch, input_ids=batch.input_ids.clamp(max=vocab - 1))
         return self.loaded.hidden_states(batch, self.kv_pool, self.device)
 
     def _argmax(self, hidden_rows: torch.Tensor) -> torch.Tensor:
@@ -186,9 +192,10 @@ def check_same_vocabulary(
     target_path: str, target: ModelConfig, draft_path: str, draft: ModelConfig
 ) -> None:
     """A draft proposes token ids that the target verifies: both must mean the same tokens by
-    them. The vocabulary sizes must match, and where both directories have a tokenizer.json,
-    its vocabulary and added tokens."""
-    if draft.vocab_size != target.vocab_size:
+    them. Every id the draft proposes must be the target's: its embedding no wider (one family's
+    sizes pad theirs differently, Qwen2.5's 0.5B to 151936 rows and its 7B to 152064); and where
+    both directories have a tokenizer.json, its vocabulary and added tokens must match."""
+    if draft.vocab_size > target.vocab_size:
         raise ValueError(
             f"the draft model {draft_path} has a vocabulary of {draft.vocab_size} tokens, the "
             f"model {target_path} of {target.vocab_size}: a draft model must share the model's "

@@ -479,6 +479,16 @@ def test_a_draft_model_must_share_the_targets_vocabulary(tiny_model) -> None:
     target, draft = tiny_model("qwen3"), tiny_model("qwen3", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens, the model .* of 256"):
         load_with_draft(target, draft)
+    # A narrower embedding over the same tokenizer (Qwen2.5's 0.5B pads to 151936 rows, its 7B
+    # to 152064) is taken: the ids past it that reach the draft (these random prompts hold some,
+    # as a client's input_ids may) are no tokens, and the outputs stay the target's.
+    narrower = load_with_draft(target, tiny_model("qwen3", vocab_size=240))
+    reqs = greedy_requests()[:6]
+    assert any(t >= 240 for r in reqs for t in r.input_ids)
+    want = serve(make_scheduler(load_runner(target), None), reqs, stagger=0)
+    s = make_scheduler(narrower, STANDALONE)
+    assert_same_outputs(serve(s, reqs, stagger=0), want)
+    assert s.drafter is not None and s.drafter.stats.verifies > 0
     other = tiny_model("qwen3")
     for path, vocab in ((target, {"a": 0, "b": 1}), (other, {"a": 1, "b": 0})):
         (path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
