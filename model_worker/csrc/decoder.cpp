@@ -63,9 +63,7 @@ class Linear : public torch::CustomClassHolder {
       case Kind::kPacked:
         return onednn_linear(x, weight_, bias_);
       case Kind::kInt8: {
-        if (small) return int8_linear(x, weight_, aux_, bias_);
-        auto [xq, x_scale] = quantize_rows_int8(x);
-        return dequantize_rows(at::_int_mm(xq, weight_.t()), x_scale, aux_, bias_);
+        return small ? int8_linear(x, weight_, aux_, bias_) : int8_gemm(x, weight_, aux_, bias_);
       }
     }
     TORCH_CHECK(false, "Linear: unknown kind");
