@@ -1,5 +1,5 @@
 """int8 linear layers at many rows (a prefill chunk, 64 decodes): the extension's int8_gemm
-(a block of outputs at a time, rescaled while its int32 products are in cache) against the three ops it
+(a block of outputs at a time, rescaled while its products are in cache) against the three ops it
 replaced (quantize_rows_int8, torch._int_mm on all rows, dequantize_rows) and against bfloat16
 on oneDNN's packed weight, on a model's layer shapes, taking turns.
 
@@ -49,6 +49,24 @@ def best_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) 
     return best * 1e3
 
 
+def kernels_for(
+    int8: Int8Weight, packed: torch.Tensor, x: torch.Tensor
+) -> dict[str, Callable[[], torch.Tensor]]:
+    ops = torch.ops.radixserve
+    xb = x.bfloat16()
+
+    def three_ops() -> torch.Tensor:
+        xq, x_scale = ops.quantize_rows_int8(x)
+        products = torch._int_mm(xq, int8.q.t())
+        return ops.dequantize_rows(products, x_scale, int8.scale, None)
+
+    return {
+        "three": three_ops,
+        "gemm": lambda: ops.int8_gemm(x, int8.q, int8.scale, None),
+        "bf16": lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], ""),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="/work/models/qwen2-0.5b")
@@ -60,7 +78,6 @@ def main() -> None:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     keep_freed_memory()
     load_cpu_kernels()
-    ops = torch.ops.radixserve
     config = ModelConfig.from_dir(resolve_model_path(args.model))
     print(f"{args.model}, {args.threads} thread(s), best of {args.repeats}, ms\n")
     print("| layer | rows | three ops (before) | int8_gemm | bfloat16 oneDNN packed |")
@@ -74,21 +91,7 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             if name == "lm_head" and rows > 64:
                 continue  # a prefill computes the head on each prompt's last row only
-            x = torch.randn(rows, k, generator=gen)
-            xb = x.bfloat16()
-
-            def three_ops(x: torch.Tensor = x) -> torch.Tensor:
-                xq, x_scale = ops.quantize_rows_int8(x)
-                products = torch._int_mm(xq, int8.q.t())
-                return ops.dequantize_rows(products, x_scale, int8.scale, None)
-
-            kernels = {
-                "three": three_ops,
-                "gemm": lambda x=x: ops.int8_gemm(x, int8.q, int8.scale, None),
-                "bf16": lambda xb=xb: torch.ops.mkldnn._linear_pointwise(
-                    xb, packed, None, "none", [], ""
-                ),
-            }
+            kernels = kernels_for(int8, packed, torch.randn(rows, k, generator=gen))
             assert torch.equal(kernels["three"](), kernels["gemm"]())
             times: dict[str, float] = {}
             for _ in range(2):  # two turns each, the best kept
