@@ -337,10 +337,12 @@ class ParallelLMHead(PreparedLinear):
         self.vocab_start = tp.rank * self.rows_per_rank
         self._init_weight(self.rows_per_rank, hidden_size, weight_format, dtype, device)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size], on every rank."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size], on every rank: float32, or the
+        model's dtype with float32=False."""
         logits = self.tp.all_gather(self.ops.linear(hidden, self.weight, None), dim=-1)
-        return logits[:, : self.vocab_size].float()
+        logits = logits[:, : self.vocab_size]
+        return logits.float() if float32 else logits
 
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         _check_shape((self.vocab_size, self.hidden_size), loaded.shape)

@@ -121,7 +121,9 @@ class ModelRunner:
         hidden, last_rows = self._forward_hidden(batch)
         draft_lens = batch.draft_lens
         if draft_lens is None:
-            out = self.sampler(self.model.compute_logits(hidden[last_rows]), batch.sampling)
+            # In the model's dtype: the sampler makes its float32 copy only if it needs one.
+            logits = self.model.compute_logits(hidden[last_rows], float32=False)
+            out = self.sampler(logits, batch.sampling)
         else:
             rows = verify_rows(batch.extend_lens, draft_lens).to(self.device)
             drafts = draft_tokens(batch.input_ids, batch.extend_lens, draft_lens)

@@ -325,3 +325,27 @@ def test_a_tiny_temperature_is_greedy() -> None:
     for _ in range(5):
         out = Sampler(CPU, seed=0)(logits, batch).next_token_ids
         assert out[[0, 1, 3]].tolist() == logits[[0, 1, 3]].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("kernel", ["torch", "cpu_kernels"])
+def test_bfloat16_logits_give_their_float32_copys_tokens(kernel: str) -> None:
+    """The model runner hands the sampler its LM head's bfloat16 logits: the greedy fast path
+    takes their argmax as they are, every other path their float32 copy; either way the tokens
+    (ties to the first index included) and logprobs are those of the float32 copy."""
+    sampler = Sampler(CPU, seed=0)
+    if kernel == "cpu_kernels":
+        from radixserve.model_worker.cpu_kernels import load_cpu_kernels
+        from radixserve.model_worker.fused_ops import CpuKernelOps
+
+        load_cpu_kernels()
+        sampler = Sampler(CPU, seed=0, argmax=CpuKernelOps().argmax)
+    logits = random_logits(6, vocab=5000).bfloat16()
+    logits[2, 10] = logits[2, 4000] = logits[2].max() + 1  # a tie: the first index wins
+    as_float = logits.float()
+    out = sampler(logits, make_info(6, temperatures=[0.0] * 6))
+    assert torch.equal(out.next_token_ids, as_float.argmax(-1)) and out.next_token_ids[2] == 10
+    with_logprobs = make_info(6, temperatures=[0.0] * 6, return_logprob=[True] * 6)
+    got, want = sampler(logits, with_logprobs), sampler(as_float, with_logprobs)
+    assert got.token_logprobs is not None and got.token_logprobs.dtype == torch.float32
+    assert torch.equal(got.next_token_ids, want.next_token_ids)
+    assert torch.equal(got.token_logprobs, want.token_logprobs)

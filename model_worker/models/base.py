@@ -18,8 +18,9 @@ class CausalLM(nn.Module, ABC):
         """Final hidden states [T, hidden_size] of every token of the batch."""
 
     @abstractmethod
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab_size] of the given rows only."""
+    def compute_logits(self, hidden_rows: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits [N, vocab_size] of the given rows only: float32, or the model's dtype with
+        float32=False."""
 
     @abstractmethod
     def checkpoint_targets(self, name: str) -> list[tuple[str, int]]:

@@ -321,8 +321,8 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, fb)
 
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_rows)
+    def compute_logits(self, hidden_rows: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden_rows, float32)
 
     def fuse_layers(self) -> bool:
         self.model.fuse_layers()
