@@ -39,6 +39,7 @@ CATEGORIES = {
         "mkldnn::_linear_pointwise",
         "quantized::linear",
         "radixserve::int8_linear",
+        "radixserve::int8_gemm",
         "radixserve::quantize_rows_int8",
         "radixserve::dequantize_rows",
         "aten::_int_mm",

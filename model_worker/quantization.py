@@ -5,7 +5,9 @@ Weights are quantized as they are loaded, a layer at a time, symmetrically per o
 each token's activations symmetrically on its own max |x|, with 8 bits, so a token's result does
 not depend on what else is in the batch. The CPU extension quantizes the activations and
 rescales the products. The products run in its `int8_linear` (each weight byte read once per
-block of 8 rows), or, for more rows on CPUs with VNNI or AMX, in oneDNN through `torch._int_mm`.
+block of 8 rows), or, for more rows on CPUs with VNNI or AMX, in its `int8_gemm`: oneDNN's int8
+matmul (`torch._int_mm`) on a block of outputs at a time, rescaled while its products are in
+cache.
 Without VNNI oneDNN's u8 x s8 pair sums saturate (measured: inexact on random int8 data), so there
 the extension's kernel takes every batch size. Both round the same way: the path does not change
 a result.
@@ -88,8 +90,7 @@ class Int8Weight:
         ops = torch.ops.radixserve
         if x.shape[0] < int8_small_rows():
             return ops.int8_linear(x, self.q, self.scale, bias)
-        xq, x_scale = ops.quantize_rows_int8(x)
-        return ops.dequantize_rows(torch._int_mm(xq, self.q.t()), x_scale, self.scale, bias)
+        return ops.int8_gemm(x, self.q, self.scale, bias)
 
 
 def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype) -> None:

@@ -115,6 +115,18 @@ def _bad_small_ops(ops: Any) -> dict[str, tuple[Callable[..., Any], tuple[Any, .
             ops.int8_linear,
             (x, torch.ones(3, 9, dtype=torch.int8), torch.ones(3), None),
         ),
+        "int8_gemm: scales short": (
+            ops.int8_gemm,
+            (x, torch.ones(3, 8, dtype=torch.int8), torch.ones(2), None),
+        ),
+        "int8_gemm: weight of another K": (
+            ops.int8_gemm,
+            (x, torch.ones(3, 9, dtype=torch.int8), torch.ones(3), None),
+        ),
+        "int8_gemm: bias short": (
+            ops.int8_gemm,
+            (x, torch.ones(3, 8, dtype=torch.int8), torch.ones(3), torch.ones(2)),
+        ),
         "dequantize_rows: scales short": (
             ops.dequantize_rows,
             (torch.ones(4, 3, dtype=torch.int32), torch.ones(3), torch.ones(3), None),
@@ -139,6 +151,9 @@ def _bad_small_ops(ops: Any) -> dict[str, tuple[Callable[..., Any], tuple[Any, .
         "linear_small_m: bias short",
         "int8_linear: scales short",
         "int8_linear: weight of another K",
+        "int8_gemm: scales short",
+        "int8_gemm: weight of another K",
+        "int8_gemm: bias short",
         "dequantize_rows: scales short",
     ],
 )

@@ -114,6 +114,28 @@ def test_a_rows_result_does_not_depend_on_its_batch() -> None:
         assert torch.equal(weight.matmul(x[row : row + 1], bias)[0], batched[row])
 
 
+@pytest.mark.skipif(
+    not onednn_int8_is_exact(),
+    reason="int8_gemm runs only where oneDNN's int8 sums are exact (VNNI, AMX): int8_small_rows",
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_gemm_rescales_block_by_block_as_one_rescale_of_the_whole(with_bias) -> None:
+    """int8_gemm multiplies and rescales a block of outputs at a time (16 MB of int32 products:
+    13,981 outputs of 300 rows): the blocks, the last one short, and the vectorised rescale
+    give the separate ops' result bit for bit, bias or not, on rows of any stride."""
+    gen = torch.Generator().manual_seed(7)
+    N, K = 40_000, 72  # K not a multiple of the SIMD width, N beyond one block
+    weight = Int8Weight(torch.randn(N, K, generator=gen))
+    bias = torch.randn(N, generator=gen) if with_bias else None
+    x = torch.randn(300, 2 * K, generator=gen)[:, :K]  # rows 2K apart: not contiguous
+    xq, x_scale = ops.quantize_rows_int8(x.contiguous())
+    products = (xq.long() @ weight.q.long().T).int()  # exact: |sums| < 72 * 127 * 127
+    expected = ops.dequantize_rows(products, x_scale, weight.scale, bias)
+    for rows in (300, 105, 9, 1):
+        assert torch.equal(ops.int8_gemm(x[:rows], weight.q, weight.scale, bias), expected[:rows])
+    assert ops.int8_gemm(x[:0], weight.q, weight.scale, bias).shape == (0, N)
+
+
 def test_int8_model_quantizes_every_linear_and_the_head(tiny_model) -> None:
     path = str(tiny_model("qwen2", tie_word_embeddings=True))
     runners = {

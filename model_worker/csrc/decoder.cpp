@@ -75,9 +75,7 @@ class Linear : public torch::CustomClassHolder {
         return small ? linear_panels(x, weight_, weight_.size(0), panel_k_pad_, panel_block_, bias_)
                      : onednn_linear(x, weight_, bias_);
       case Kind::kInt8: {
-        if (small) return int8_linear(x, weight_, aux_, bias_);
-        auto [xq, x_scale] = quantize_rows_int8(x);
-        return dequantize_rows(at::_int_mm(xq, weight_.t()), x_scale, aux_, bias_);
+        return small ? int8_linear(x, weight_, aux_, bias_) : int8_gemm(x, weight_, aux_, bias_);
       }
     }
     TORCH_CHECK(false, "Linear: unknown kind");

@@ -1,7 +1,8 @@
 // w8a8 int8 linear layers: activations quantized per token (symmetric, 8 bits), int8 weights per
 // output channel, exact int32 dot products: either in int8_linear here (float rows in, each
-// weight byte read once per block of 8 rows), or in torch._int_mm (oneDNN) between
-// quantize_rows_int8 and dequantize_rows.
+// weight byte read once per block of 8 rows), or in int8_gemm: oneDNN's int8 matmul
+// (at::_int_mm) on a block of outputs at a time, each block rescaled while its int32 products
+// are still in cache.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -18,6 +19,13 @@
 
 namespace radixserve {
 namespace {
+
+// int8_gemm's int32 products per block of outputs: a block's stay in the L3 cache until
+// rescaled, and the buffer stays below glibc's mmap threshold (process_setup.py), so it is reused
+// rather than page-faulted in afresh; blocks of at least kInt8GemmMinCols outputs keep oneDNN's
+// matmul efficient.
+constexpr int64_t kInt8GemmBlockBytes = 16 << 20;
+constexpr int64_t kInt8GemmMinCols = 256;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // acc[m] = x_m . w over the first multiple of 64 of K; returns how far it went. 64 pairs a
@@ -99,11 +107,35 @@ void dot_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t* acc) {
   }
 }
 
-// One output of x W^T + b from its exact int32 dot product; both paths (int8_linear and
-// torch._int_mm + dequantize_rows) round it the same way, so a row's result does not depend on
+// One output of x W^T + b from its exact int32 dot product; every path (int8_linear, int8_gemm,
+// torch._int_mm + dequantize_rows) rounds it the same way, so a row's result does not depend on
 // the batch it came in.
 inline float rescale(int32_t acc, float x_scale, float w_scale, float bias) {
   return std::fma(static_cast<float>(acc), x_scale * w_scale, bias);
+}
+
+// Rows [begin, end) of y (row stride y_stride) from their int32 products acc (row stride
+// acc_stride), `cols` outputs a row: each as `rescale` computes it (one multiply, one fused
+// multiply-add), kLanes at a time. w_scale and bias start at the block's first column.
+void rescale_rows(const int32_t* acc, int64_t acc_stride, const float* x_scale,
+                  const float* w_scale, const float* bias, float* y, int64_t y_stride,
+                  int64_t cols, int64_t begin, int64_t end) {
+  using IVec = at::vec::Vectorized<int32_t>;
+  static_assert(IVec::size() == kLanes, "int32 and float vectors of one width");
+  const Vec zero(0.f);
+  for (int64_t m = begin; m < end; ++m) {
+    const int32_t* a = acc + m * acc_stride;
+    float* out = y + m * y_stride;
+    const float xs = x_scale[m];
+    const Vec vxs(xs);
+    int64_t n = 0;
+    for (; n + kLanes <= cols; n += kLanes) {
+      const Vec products = at::vec::convert_to_fp_of_same_size<float>(IVec::loadu(a + n));
+      const Vec b = bias == nullptr ? zero : Vec::loadu(bias + n);
+      at::vec::fmadd(products, vxs * Vec::loadu(w_scale + n), b).store(out + n);
+    }
+    for (; n < cols; ++n) out[n] = rescale(a[n], xs, w_scale[n], bias == nullptr ? 0.f : bias[n]);
+  }
 }
 
 template <int M>
@@ -215,12 +247,45 @@ at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
   const float* ws = w_scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      for (int64_t n = 0; n < N; ++n) {
-        yp[m * N + n] = rescale(ap[m * N + n], xs[m], ws[n], bp == nullptr ? 0.f : bp[n]);
-      }
-    }
+    rescale_rows(ap, N, xs, ws, bp, yp, N, N, begin, end);
   });
+  return y;
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  weight.dim() == 2 && weight.scalar_type() == at::kChar &&
+                  weight.is_contiguous() && x.size(1) == weight.size(1),
+              "int8_gemm: float32 x [M, K] with contiguous rows and contiguous int8 weight [N, K]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                  w_scale.numel() == weight.size(0),
+              "int8_gemm: weight scales must be contiguous float32 [N]");
+  const int64_t M = x.size(0), N = weight.size(0);
+  const float* bp = bias_data(bias, N, "int8_gemm");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return y;
+  // The int32 products of a whole prefill chunk (2048 rows x the 0.5B's 9728 gate_up outputs:
+  // 80 MB, page-faulted in on every call) went out to memory and back for the rescale: a fifth
+  // of an int8 prefill. A block of the weight's rows (the output's columns) at a time keeps
+  // them in cache, and reads each weight byte once: blocks of rows would read a 150k-row LM
+  // head once per block.
+  const auto [xq, x_scale] = quantize_rows_int8(x);
+  const int64_t cols = std::min(N, std::max(kInt8GemmMinCols, kInt8GemmBlockBytes / (4 * M)));
+  at::Tensor acc = at::empty({M * cols}, x.options().dtype(at::kInt));
+  const float* xs = x_scale.data_ptr<float>();
+  const float* ws = w_scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < N; n0 += cols) {
+    const int64_t width = std::min(cols, N - n0);
+    at::Tensor products = acc.narrow(0, 0, M * width).view({M, width});
+    at::_int_mm_out(products, xq, weight.narrow(0, n0, width).t());
+    const int32_t* ap = products.data_ptr<int32_t>();
+    const float* bias_cols = bp == nullptr ? nullptr : bp + n0;
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+      rescale_rows(ap, width, xs, ws + n0, bias_cols, yp + n0, N, width, begin, end);
+    });
+  }
   return y;
 }
 

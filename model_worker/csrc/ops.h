@@ -26,6 +26,8 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t 
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
                        const c10::optional<at::Tensor>& bias);
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
+                     const c10::optional<at::Tensor>& bias);
 at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
                            const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
 at::Tensor argmax_rows(const at::Tensor& x);
