@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from bench_serving import make_prompts
 from weight_streaming import weight_streaming_seconds
 
@@ -270,8 +271,10 @@ def main() -> None:
     args = parser.parse_args()
 
     model_dir = resolve_model_path(args.model)
-    stream_s = weight_streaming_seconds(model_dir)
-    print(f"weight streaming (every weight byte read once, float32): {stream_s * 1e3:.1f} ms")
+    # The floor of the engines' dtype: bfloat16 weights are half float32's bytes.
+    floor_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    stream_s = weight_streaming_seconds(model_dir, floor_dtype)
+    print(f"weight streaming (every weight byte read once, {floor_dtype}): {stream_s * 1e3:.1f} ms")
     prompts = make_prompts(args.num_requests, args.input_len, vocab=49152)
     solo = prompts[: args.latency_requests]
     new = args.output_len
