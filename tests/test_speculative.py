@@ -199,7 +199,9 @@ def test_a_seeded_sequence_gets_its_plain_samplers_tokens_alone_and_among_others
 # ---- the scheduler over a real tiny model ------------------------------------------------------
 
 
-def load_runner(model: Path, attention_backend: str = "auto") -> ModelRunner:
+def load_runner(
+    model: Path, attention_backend: str = "auto", draft: Path | None = None
+) -> ModelRunner:
     return ModelRunner(
         str(model),
         dtype=torch.float32,
@@ -209,21 +211,12 @@ def load_runner(model: Path, attention_backend: str = "auto") -> ModelRunner:
         tp=TPGroup(),
         seed=0,
         attention_backend=attention_backend,
+        draft_model_path=None if draft is None else str(draft),
     )
 
 
 def load_with_draft(model: Path, draft: Path, attention_backend: str = "auto") -> ModelRunner:
-    runner = ModelRunner(
-        str(model),
-        dtype=torch.float32,
-        device=CPU,
-        max_total_tokens=1024,
-        mem_fraction_static=0.0,
-        tp=TPGroup(),
-        seed=0,
-        attention_backend=attention_backend,
-        draft_model_path=str(draft),
-    )
+    runner = load_runner(model, attention_backend, draft)
     assert runner.draft is not None
     return runner
 
