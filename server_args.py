@@ -115,7 +115,8 @@ _HELP = {
     "http_port": "TCP port of the HTTP server (OpenAI-compatible and SGLang's native API, "
     "/metrics), on --host; 0 turns it off",
     "dtype": "weights and KV cache dtype; auto: float32 on CPUs without native bf16, bfloat16 on "
-    "others, the checkpoint's half precision on GPU; float32 with --quantization int8",
+    "others (with --quantization int8 too: its activations'), the checkpoint's half precision "
+    "on GPU",
     "device": "auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N",
     "context_length": "longest prompt + output in tokens (default: the model's "
     "max_position_embeddings)",

@@ -86,7 +86,7 @@ class Int8Weight:
         return (self.q, self.scale)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] float32 -> x W^T + bias [M, N] float32."""
+        """x [M, K] -> x W^T + bias [M, N], in x's dtype (float32 or bfloat16)."""
         ops = torch.ops.radixserve
         if x.shape[0] < int8_small_rows():
             return ops.int8_linear(x, self.q, self.scale, bias)
@@ -101,8 +101,8 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
         raise ValueError(f"unknown quantization {method!r}; known: {known}")
     if device.type != "cpu":
         raise ValueError("--quantization int8 runs on the CPU only")
-    if dtype != torch.float32:
-        raise ValueError(f"--quantization int8 runs with --dtype float32, not {dtype}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"--quantization int8 runs with --dtype float32 or bfloat16, not {dtype}")
     try:
         load_cpu_kernels()
     except KernelBuildError as e:

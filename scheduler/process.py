@@ -66,9 +66,7 @@ def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlaceme
     checkpoint_dtype = ModelConfig.from_dir(model_path).dtype
     return ModelRunner(
         model_path,
-        dtype=resolve_dtype(
-            args.dtype, device, checkpoint_dtype=checkpoint_dtype, quantization=args.quantization
-        ),
+        dtype=resolve_dtype(args.dtype, device, checkpoint_dtype=checkpoint_dtype),
         device=device,
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,

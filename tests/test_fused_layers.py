@@ -36,6 +36,12 @@ CONFIGS = [
         id="bfloat16",
         marks=pytest.mark.skipif(not has_native_bf16(), reason="no bfloat16 in hardware"),
     ),
+    pytest.param(
+        torch.bfloat16,
+        "int8",
+        id="bfloat16-int8",
+        marks=pytest.mark.skipif(not has_native_bf16(), reason="no bfloat16 in hardware"),
+    ),
 ]
 # Rows per step, each side of every kernel threshold: the row count picks the kernel.
 THRESHOLDS = (PANEL_ROWS + 1, SMALL_M + 1, INT8_GEMM_MIN_ROWS)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.model_config import ModelConfig, RopeConfig, resolve_dtype
 
 LLAMA31_V4 = {
@@ -86,7 +87,6 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype("float16", cpu) == torch.float16
     assert resolve_dtype("auto", cuda, checkpoint_dtype=torch.float16) == torch.float16
     assert resolve_dtype("auto", cuda, checkpoint_dtype=torch.float32) == torch.bfloat16
-    assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
-    assert resolve_dtype("auto", cpu, quantization="int8") == torch.float32
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if has_native_bf16() else torch.float32)
     with pytest.raises(ValueError, match="float64"):
         resolve_dtype("float64", cpu)

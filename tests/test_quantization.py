@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_cpu_kernels import _one_prompt_batch
 
+from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.layers import ColumnParallelLinear, RowParallelLinear
 from radixserve.model_worker.model_runner import ModelRunner
@@ -136,12 +137,23 @@ def test_int8_gemm_rescales_block_by_block_as_one_rescale_of_the_whole(with_bias
     assert ops.int8_gemm(x[:0], weight.q, weight.scale, bias).shape == (0, N)
 
 
-def test_int8_model_quantizes_every_linear_and_the_head(tiny_model) -> None:
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(not has_native_bf16(), reason="no bfloat16 in hardware"),
+        ),
+    ],
+)
+def test_int8_model_quantizes_every_linear_and_the_head(tiny_model, dtype) -> None:
+    """int8 weights under float32 or bfloat16 activations (the model's dtype)."""
     path = str(tiny_model("qwen2", tie_word_embeddings=True))
     runners = {
         q: ModelRunner(
             path,
-            dtype=torch.float32,
+            dtype=dtype,
             device=torch.device("cpu"),
             max_total_tokens=32,
             mem_fraction_static=0.0,
@@ -156,8 +168,8 @@ def test_int8_model_quantizes_every_linear_and_the_head(tiny_model) -> None:
     linears = [m for m in model.modules() if isinstance(m, kinds)]
     assert linears and all(isinstance(m.weight, Int8Weight) for m in linears)
     assert isinstance(model.lm_head.weight, Int8Weight)
-    assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup stays float
-    logits = {q: r.forward_logits(_one_prompt_batch(6)) for q, r in runners.items()}
+    assert model.model.embed_tokens.weight.dtype == dtype  # the lookup stays float
+    logits = {q: r.forward_logits(_one_prompt_batch(6)).float() for q, r in runners.items()}
     ref, got = logits[None], logits["int8"]
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
     assert not torch.equal(got, ref)
@@ -167,7 +179,7 @@ def test_int8_model_quantizes_every_linear_and_the_head(tiny_model) -> None:
     ("quantization", "dtype", "reason"),
     [
         ("fp4", torch.float32, "unknown quantization 'fp4'"),
-        ("int8", torch.bfloat16, "int8 runs with --dtype float32"),
+        ("int8", torch.float16, "int8 runs with --dtype float32 or bfloat16"),
     ],
 )
 def test_quantization_that_cannot_run_is_refused(tiny_model, quantization, dtype, reason) -> None:

@@ -151,6 +151,24 @@ void int8_linear_m(const int8_t* x, const float* x_scale, const int8_t* w, const
   });
 }
 
+// Activations come in float32 or bfloat16 (a bfloat16 model's); the kernels quantize and rescale
+// in float32. A bfloat16 row's values are exactly representable in float32, so quantizing its
+// float32 copy is quantizing the row itself; the result is rounded to the activations' dtype once.
+at::Tensor as_float(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": activations must be float32 or bfloat16");
+  return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+}
+
+c10::optional<at::Tensor> bias_as_float(const c10::optional<at::Tensor>& bias) {
+  if (!bias.has_value() || bias->scalar_type() == at::kFloat) return bias;
+  return bias->to(at::kFloat);
+}
+
+at::Tensor in_dtype_of(const at::Tensor& y, const at::Tensor& x) {
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
 const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
   if (!bias.has_value()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
@@ -202,8 +220,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   return {q, scale};
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
-                       const c10::optional<at::Tensor>& bias) {
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& w_scale,
+                       const c10::optional<at::Tensor>& bias_in) {
+  const at::Tensor x = as_float(x_in, "int8_linear");
+  const c10::optional<at::Tensor> bias = bias_as_float(bias_in);
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar &&
                   weight.is_contiguous() && x.size(1) == weight.size(1),
               "int8_linear: x [M, K] and contiguous int8 weight [N, K]");
@@ -231,7 +251,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       default: int8_linear_m<8>(xp, xs, wp, ws, bp, yp, K, N); break;
     }
   }
-  return y;
+  return in_dtype_of(y, x_in);
 }
 
 at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
@@ -252,19 +272,21 @@ at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
   return y;
 }
 
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
-                     const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& w_scale,
+                     const c10::optional<at::Tensor>& bias_in) {
+  const at::Tensor x = as_float(x_in, "int8_gemm");
+  const c10::optional<at::Tensor> bias = bias_as_float(bias_in);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 &&
                   weight.dim() == 2 && weight.scalar_type() == at::kChar &&
                   weight.is_contiguous() && x.size(1) == weight.size(1),
-              "int8_gemm: float32 x [M, K] with contiguous rows and contiguous int8 weight [N, K]");
+              "int8_gemm: x [M, K] with contiguous rows and contiguous int8 weight [N, K]");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
                   w_scale.numel() == weight.size(0),
               "int8_gemm: weight scales must be contiguous float32 [N]");
   const int64_t M = x.size(0), N = weight.size(0);
   const float* bp = bias_data(bias, N, "int8_gemm");
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0) return y;
+  if (M == 0) return in_dtype_of(y, x_in);
   // The int32 products of a whole prefill chunk (2048 rows x the 0.5B's 9728 gate_up outputs:
   // 80 MB, page-faulted in on every call) went out to memory and back for the rescale: a fifth
   // of an int8 prefill. A block of the weight's rows (the output's columns) at a time keeps
@@ -286,7 +308,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
       rescale_rows(ap, width, xs, ws + n0, bias_cols, yp + n0, N, width, begin, end);
     });
   }
-  return y;
+  return in_dtype_of(y, x_in);
 }
 
 }  // namespace radixserve
