@@ -115,6 +115,10 @@ def _bad_small_ops(ops: Any) -> dict[str, tuple[Callable[..., Any], tuple[Any, .
             ops.int8_linear,
             (x, torch.ones(3, 9, dtype=torch.int8), torch.ones(3), None),
         ),
+        "int8_linear: float16 rows": (
+            ops.int8_linear,
+            (x.half(), torch.ones(3, 8, dtype=torch.int8), torch.ones(3), None),
+        ),
         "int8_gemm: scales short": (
             ops.int8_gemm,
             (x, torch.ones(3, 8, dtype=torch.int8), torch.ones(2), None),
