@@ -43,6 +43,7 @@ SOURCES = (
     "elementwise.cpp",
     "int8.cpp",
     "linear.cpp",
+    "quantize_weights.cpp",
     "register.cpp",
 )
 LIBRARY = "radixserve_cpu.so"

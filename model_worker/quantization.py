@@ -66,20 +66,17 @@ class Int8Weight:
         self.nbytes = self.q.numel() + 4 * self.scale.numel()
 
     def quantize_rows(self, start: int, rows: torch.Tensor) -> None:
-        """Rows start.. from float values, each on its own max |w|."""
-        # A block of rows at a time: its float32 temporaries stay small beside an 8B model.
+        """Rows start.. from float values, each on its own max |w| (the extension's
+        quantize_weight_rows: one pass, no float32 temporaries)."""
+        # A block of rows at a time: what the extension returns stays small beside an 8B model.
         for begin in range(0, rows.shape[0], _QUANTIZE_ROWS):
-            block = rows[begin : begin + _QUANTIZE_ROWS].detach().float()
-            scale = block.abs().amax(dim=1) / 127
-            # A row whose scale is zero or subnormal (1/scale would be infinite) stays zero: its
-            # weights are below any float32 normal number, nothing an output could show.
-            normal = scale >= torch.finfo(torch.float32).tiny
-            inverse = torch.where(normal, 1 / scale, 0)
+            block = rows[begin : begin + _QUANTIZE_ROWS].detach()
+            if block.dtype not in (torch.float32, torch.bfloat16):
+                block = block.float()
+            q, scale = torch.ops.radixserve.quantize_weight_rows(block.contiguous())
             at = start + begin
-            # [-127, 127]: the kernels negate weights and activations, which -128 cannot survive.
-            q = torch.round(block * inverse[:, None]).clamp_(-127, 127)
             self.q[at : at + block.shape[0]] = q
-            self.scale[at : at + block.shape[0]] = torch.where(normal, scale, 0)
+            self.scale[at : at + block.shape[0]] = scale
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """What it holds in memory."""

@@ -59,6 +59,29 @@ def test_activations_round_to_nearest_even_on_each_rows_own_scale() -> None:
     assert not q[4].any()  # an all-zero row
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_quantize_per_row_as_the_torch_reference(dtype) -> None:
+    """quantize_weight_rows against the torch ops it replaced: max |w| / 127, round half to
+    even, [-127, 127]; a zero or subnormal row zero with scale 0."""
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randn(40, 203, generator=gen) * torch.logspace(-30, 30, 40)[:, None]
+    rows[3] = 0
+    rows[4] = 1e-40  # subnormal: its scale would be too
+    rows[5, :6] = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5, -127.0])  # scale 1: ties
+    rows[5, 6:] = 0
+    rows = rows.to(dtype)
+    weight = Int8Weight(rows)
+    ref = rows.float()
+    scale = ref.abs().amax(dim=1) / 127
+    normal = scale >= torch.finfo(torch.float32).tiny
+    inverse = torch.where(normal, 1 / scale, 0)
+    expected = torch.round(ref * inverse[:, None]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(weight.q, expected)
+    assert torch.equal(weight.scale, torch.where(normal, scale, 0))
+    assert weight.q[5, :6].tolist() == [127, 0, 0, 2, -2, -127]
+    assert not weight.q[3].any() and not weight.q[4].any() and weight.scale[4] == 0
+
+
 def test_int8_products_are_exact_at_the_extremes() -> None:
     """127 * 127 pairs overflow a 16-bit pair sum (where AVX2 saturates) unless the kernel
     keeps them below 2^15: the sums must come out exact, and both paths agree bit for bit."""
