@@ -37,7 +37,8 @@ class Linear : public torch::CustomClassHolder {
   // kind "dense": `weight` float; "packed": `weight` reordered for oneDNN (no plain copy is
   // kept), in float32 panels of `panel_block` channels by `panel_k_pad` where linear_panels reads
   // it below `small_rows` (packed_linear.Panels; else 0 and oneDNN at every row count); "int8":
-  // `weight` int8 and `aux` its per-channel scales.
+  // `weight` int8 and `aux` its per-channel scales; "int8_vnni": likewise, `weight` in
+  // int8_vnni.cpp's layout, whose kernel takes every row count.
   Linear(const std::string& kind, at::Tensor weight, c10::optional<at::Tensor> aux,
          c10::optional<at::Tensor> bias, int64_t small_rows, int64_t panel_block,
          int64_t panel_k_pad)
@@ -52,10 +53,13 @@ class Linear : public torch::CustomClassHolder {
       kind_ = Kind::kPacked;
     } else if (kind == "int8") {
       kind_ = Kind::kInt8;
+    } else if (kind == "int8_vnni") {
+      kind_ = Kind::kInt8Vnni;
     } else {
       TORCH_CHECK(false, "Linear: unknown kind ", kind);
     }
-    TORCH_CHECK(aux.has_value() == (kind_ == Kind::kInt8), "Linear: kind ", kind,
+    const bool int8 = kind_ == Kind::kInt8 || kind_ == Kind::kInt8Vnni;
+    TORCH_CHECK(aux.has_value() == int8, "Linear: kind ", kind,
                 aux.has_value() ? " takes no aux" : " needs aux");
     if (aux.has_value()) aux_ = *aux;
     TORCH_CHECK(kind_ != Kind::kDense || small_rows_ <= kMaxSmallM + 1,
@@ -77,12 +81,14 @@ class Linear : public torch::CustomClassHolder {
       case Kind::kInt8: {
         return small ? int8_linear(x, weight_, aux_, bias_) : int8_gemm(x, weight_, aux_, bias_);
       }
+      case Kind::kInt8Vnni:
+        return int8_vnni_linear(x, weight_, aux_, bias_);
     }
     TORCH_CHECK(false, "Linear: unknown kind");
   }
 
  private:
-  enum class Kind { kDense, kPacked, kInt8 };
+  enum class Kind { kDense, kPacked, kInt8, kInt8Vnni };
   Kind kind_ = Kind::kDense;
   at::Tensor weight_, aux_;
   c10::optional<at::Tensor> bias_;

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "ops.h"
+#include "quantize_row.h"
 #include "vec_utils.h"
 
 namespace radixserve {
@@ -178,26 +179,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* row = xp + m * x.stride(0);
-      int8_t* out = qp + m * K;
-      Vec vmax(0.f);
-      int64_t k = 0;
-      for (; k + kLanes <= K; k += kLanes) vmax = at::vec::maximum(vmax, Vec::loadu(row + k).abs());
-      float absmax = at::vec::vec_reduce_all<float>(
-          [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-      for (; k < K; ++k) absmax = std::max(absmax, std::abs(row[k]));
-      // An all-zero row keeps scale 0 and quantizes to zeros.
-      sp[m] = absmax / 127.f;
-      const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
-      const Vec vinv(inv);
-      float rounded[kLanes];  // to nearest, ties to even, as torch.round
-      for (k = 0; k + kLanes <= K; k += kLanes) {
-        (Vec::loadu(row + k) * vinv).round().store(rounded);
-        for (int64_t i = 0; i < kLanes; ++i) out[k + i] = static_cast<int8_t>(rounded[i]);
-      }
-      for (; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
-    }
+    for (int64_t m = begin; m < end; ++m) sp[m] = quantize_row(xp + m * x.stride(0), K, qp + m * K);
   });
   return {q, scale};
 }
