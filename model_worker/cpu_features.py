@@ -30,3 +30,8 @@ def has_int8_dot_products() -> bool:
 def has_avx512_vnni() -> bool:
     """512-bit vpdpbusd (with AVX512-BW's byte ops): what int8_vnni.cpp's kernel runs on."""
     return {"avx512_vnni", "avx512bw"} <= cpu_flags()
+
+
+def has_amx_int8() -> bool:
+    """AMX's int8 tile multiplies, which oneDNN's int8 matmul runs on."""
+    return "amx_int8" in cpu_flags()

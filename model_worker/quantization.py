@@ -4,13 +4,12 @@ as SGLang's and vLLM's `w8a8_int8`), with exact int32 dot products.
 Weights are quantized as they are loaded, a layer at a time, symmetrically per output channel;
 each token's activations symmetrically on its own max |x|, with 8 bits, so a token's result does
 not depend on what else is in the batch. The CPU extension quantizes the activations and
-rescales the products. On CPUs with AVX512-VNNI the weight is kept
-in panels laid out for vpdpbusd as its rows are quantized (`int8_vnni.cpp`), and one kernel of
-ours takes every row count, quantizing the activations and rescaling in the same call. Elsewhere
-it stays as plain rows [N, K], for the extension's `int8_linear` (each weight byte read once per
-block of 8 rows), or, for more rows on CPUs with AVX-VNNI or AMX, its `int8_gemm`: oneDNN's int8
-matmul (`torch._int_mm`) on a block of outputs at a time, rescaled while its products are in
-cache.
+rescales the products. On CPUs with AVX512-VNNI (and no AMX) the weight is kept in blocks laid
+out for vpdpbusd as its rows are quantized (`int8_vnni.cpp`), and one kernel of ours takes every
+row count, quantizing the activations and rescaling in the same call. Elsewhere it stays as
+plain rows [N, K], for the extension's `int8_linear` (each weight byte read once per block of 8
+rows), or, for more rows on CPUs with AVX-VNNI or AMX, its `int8_gemm`: oneDNN's int8 matmul
+(`torch._int_mm`) on a block of outputs at a time, rescaled while its products are in cache.
 Without VNNI oneDNN's u8 x s8 pair sums saturate (measured: inexact on random int8 data), so there
 the extension's kernel takes every batch size. All round the same way: the path does not change
 a result.
@@ -24,7 +23,11 @@ import sys
 
 import torch
 
-from radixserve.model_worker.cpu_features import has_avx512_vnni, has_int8_dot_products
+from radixserve.model_worker.cpu_features import (
+    has_amx_int8,
+    has_avx512_vnni,
+    has_int8_dot_products,
+)
 from radixserve.model_worker.cpu_kernels import KernelBuildError, load_cpu_kernels
 
 QUANTIZATION_METHODS = ("int8",)
@@ -49,9 +52,13 @@ def int8_small_rows() -> int:
 
 def vnni_layout_available() -> bool:
     """Whether int8 weights are kept in int8_vnni.cpp's layout, for its kernel: the CPU has
-    AVX512-VNNI and the extension was built with it (it is built for the CPU it runs on)."""
+    AVX512-VNNI and the extension was built with it (it is built for the CPU it runs on). CPUs
+    with AMX keep the plain layout: there oneDNN's int8 matmul runs on AMX tiles, whose peak is
+    several times VNNI's (not measured here: this kernel was tuned on a Zen 4 without AMX)."""
     load_cpu_kernels()
-    return has_avx512_vnni() and bool(torch.ops.radixserve.int8_vnni_available())
+    if not has_avx512_vnni() or has_amx_int8():
+        return False
+    return bool(torch.ops.radixserve.int8_vnni_available())
 
 
 def _vnni_shape(rows: int, cols: int) -> tuple[int, int, int, int]:
