@@ -1,11 +1,13 @@
 """int8 linear layers on a model's layer shapes, taking turns in one process: the VNNI kernel on
 its own weight layout (int8_vnni_linear, where the CPU has AVX512-VNNI) against the plain layout's
 path (int8_linear below 9 rows, oneDNN's int8 matmul in int8_gemm from there on), and bfloat16 on
-oneDNN's packed weight; with --peak, what a loop of independent vpdpbusd reaches on this core.
+oneDNN's packed weight; with --peak, what a loop of independent vpdpbusd reaches on this core;
+with --one-row-cold, one row through every decoder layer's linears in turn, as a decode step of
+one sequence reads them (from memory, not from the cache a layer's repeats keep them in).
 
     python benchmarks/bench_int8_gemm.py [--model /work/models/qwen2-0.5b]
                                          [--rows 1,8,16,64,256,2048] [--threads 1] [--repeats 5]
-                                         [--peak]
+                                         [--peak] [--one-row-cold]
 
 Prints the best of --repeats per kernel (two turns each), in ms and GOPS (2 x multiply-adds),
 and plain / VNNI. With --threads 1 (the default) it times the thread's CPU time, which other
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -86,6 +89,32 @@ def vnni_peak_gops() -> float:
     return _PEAK_ROUNDS * 24 * 64 * 2 / best / 1e9
 
 
+def one_row_cold(config: ModelConfig, turns: int = 30) -> None:
+    """Every layer's four linears in both layouts (both held: 2 x the model's int8 linears), one
+    row through each layout's in turn; the median of `turns` passes."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [s for name, s in layer_shapes(config).items() if name != "lm_head"]
+    layers: dict[bool, list[Int8Weight]] = {True: [], False: []}
+    for _ in range(config.num_hidden_layers):
+        for n, k in shapes:
+            w = torch.randn(n, k, generator=gen) * 0.05
+            for vnni in layers:
+                layers[vnni].append(Int8Weight(w, vnni=vnni))
+    rows = {k: torch.randn(1, k, generator=gen) for _, k in shapes}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(turns):
+        for vnni, weights in layers.items():
+            start = time.thread_time()
+            for weight in weights:
+                weight.matmul(rows[weight.shape[1]], None)
+            times[vnni].append(time.thread_time() - start)
+    plain, vnni = (statistics.median(times[v]) * 1e3 for v in (False, True))
+    print(
+        f"one row through {len(layers[True])} linears in turn, median of {turns}: plain "
+        f"{plain:.2f} ms, VNNI {vnni:.2f} ms, plain / VNNI {plain / vnni:.2f}x"
+    )
+
+
 def kernels_for(
     plain: Int8Weight, vnni: Int8Weight | None, packed: torch.Tensor, x: torch.Tensor
 ) -> dict[str, Callable[[], torch.Tensor]]:
@@ -104,6 +133,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak", action="store_true", help="time a vpdpbusd loop first")
+    parser.add_argument("--one-row-cold", action="store_true", help="then one row, every layer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -117,6 +147,8 @@ def main() -> None:
         print(f"vpdpbusd loop, one thread: {vnni_peak_gops():.0f} GOPS")
     if not has_vnni:
         print("no AVX512-VNNI here: the VNNI columns stay empty")
+    elif args.one_row_cold:
+        one_row_cold(config)
     print()
     print("| layer | rows | plain ms | VNNI ms | bf16 ms | plain GOPS | VNNI GOPS | plain / VNNI |")
     print("|---|---|---|---|---|---|---|---|")
