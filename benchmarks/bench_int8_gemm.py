@@ -1,29 +1,51 @@
-"""int8 linear layers at many rows (a prefill chunk, 64 decodes): the extension's int8_gemm
-(a block of outputs at a time, rescaled while its products are in cache) against the three ops it
-replaced (quantize_rows_int8, torch._int_mm on all rows, dequantize_rows) and against bfloat16
-on oneDNN's packed weight, on a model's layer shapes, taking turns.
+"""int8 linear layers on a model's layer shapes, taking turns in one process: the VNNI kernel on
+its own weight layout (int8_vnni_linear, where the CPU has AVX512-VNNI) against the plain layout's
+path (int8_linear below 9 rows, oneDNN's int8 matmul in int8_gemm from there on), and bfloat16 on
+oneDNN's packed weight; with --peak, what a loop of independent vpdpbusd reaches on this core;
+with --one-row-cold, one row through every decoder layer's linears in turn, as a decode step of
+one sequence reads them (from memory, not from the cache a layer's repeats keep them in).
 
-    python benchmarks/bench_int8_gemm.py [--model /work/models/qwen2-0.5b] [--rows 64,2048]
-                                         [--threads 1] [--repeats 5]
+    python benchmarks/bench_int8_gemm.py [--model /work/models/qwen2-0.5b]
+                                         [--rows 1,8,16,64,256,2048] [--threads 1] [--repeats 5]
+                                         [--peak] [--one-row-cold]
 
-Prints the best of --repeats per kernel, in ms. With --threads 1 (the default) it times the
-thread's CPU time, which other processes on a shared machine barely move; with more threads,
-wall time (take those on an idle machine).
+Prints the best of --repeats per kernel (two turns each), in ms and GOPS (2 x multiply-adds),
+and plain / VNNI. With --threads 1 (the default) it times the thread's CPU time, which other
+processes on a shared machine barely move; with more threads, wall time (take those on an idle
+machine). Pin it (`taskset -c 1`) for one-thread figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.model_source import resolve_model_path
-from radixserve.model_worker.quantization import Int8Weight
+from radixserve.model_worker.quantization import Int8Weight, int8_small_rows, vnni_layout_available
 from radixserve.process_setup import keep_freed_memory
+
+# 24 independent vpdpbusd on zmm registers a round: nothing but the instruction's throughput.
+_PEAK_ROUNDS = 20_000_000
+_PEAK_SOURCE = (
+    "#include <stdint.h>\n"
+    "void dpbusd_loop(int64_t n) {\n"
+    '  __asm__ volatile("1:\\n"'
+    + "".join(f'"vpdpbusd %%zmm30, %%zmm31, %%zmm{i}\\n"' for i in range(24))
+    + '"dec %0\\n" "jnz 1b\\n" : "+r"(n) : : '
+    + ", ".join(f'"xmm{i}"' for i in (*range(24), 30, 31))
+    + ', "cc");\n}\n'
+)
 
 
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -49,58 +71,115 @@ def best_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) 
     return best * 1e3
 
 
+def vnni_peak_gops() -> float:
+    """One thread's GOPS in a loop of independent vpdpbusd (zmm), compiled here with $CC."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = Path(tmp, "peak.c"), Path(tmp, "peak.so")
+        source.write_text(_PEAK_SOURCE)
+        compiler = os.environ.get("CC", "cc")
+        flags = ["-O2", "-mavx512f", "-shared", "-fPIC"]
+        subprocess.run([compiler, *flags, source, "-o", library], check=True)
+        loop = ctypes.CDLL(str(library)).dpbusd_loop
+        loop.argtypes = [ctypes.c_int64]
+        best = float("inf")
+        for _ in range(3):
+            start = time.thread_time()
+            loop(_PEAK_ROUNDS)
+            best = min(best, time.thread_time() - start)
+    return _PEAK_ROUNDS * 24 * 64 * 2 / best / 1e9
+
+
+def one_row_cold(config: ModelConfig, turns: int = 30) -> None:
+    """Every layer's four linears in both layouts (both held: 2 x the model's int8 linears), one
+    row through each layout's in turn; the median of `turns` passes."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [s for name, s in layer_shapes(config).items() if name != "lm_head"]
+    layers: dict[bool, list[Int8Weight]] = {True: [], False: []}
+    for _ in range(config.num_hidden_layers):
+        for n, k in shapes:
+            w = torch.randn(n, k, generator=gen) * 0.05
+            for vnni in layers:
+                layers[vnni].append(Int8Weight(w, vnni=vnni))
+    rows = {k: torch.randn(1, k, generator=gen) for _, k in shapes}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(turns):
+        for vnni, weights in layers.items():
+            start = time.thread_time()
+            for weight in weights:
+                weight.matmul(rows[weight.shape[1]], None)
+            times[vnni].append(time.thread_time() - start)
+    plain, vnni = (statistics.median(times[v]) * 1e3 for v in (False, True))
+    print(
+        f"one row through {len(layers[True])} linears in turn, median of {turns}: plain "
+        f"{plain:.2f} ms, VNNI {vnni:.2f} ms, plain / VNNI {plain / vnni:.2f}x"
+    )
+
+
 def kernels_for(
-    int8: Int8Weight, packed: torch.Tensor, x: torch.Tensor
+    plain: Int8Weight, vnni: Int8Weight | None, packed: torch.Tensor, x: torch.Tensor
 ) -> dict[str, Callable[[], torch.Tensor]]:
-    ops = torch.ops.radixserve
     xb = x.bfloat16()
-
-    def three_ops() -> torch.Tensor:
-        xq, x_scale = ops.quantize_rows_int8(x)
-        products = torch._int_mm(xq, int8.q.t())
-        return ops.dequantize_rows(products, x_scale, int8.scale, None)
-
-    return {
-        "three": three_ops,
-        "gemm": lambda: ops.int8_gemm(x, int8.q, int8.scale, None),
-        "bf16": lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], ""),
-    }
+    kernels = {"plain": lambda: plain.matmul(x, None)}
+    if vnni is not None:
+        kernels["vnni"] = lambda: vnni.matmul(x, None)
+    kernels["bf16"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], "")
+    return kernels
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="/work/models/qwen2-0.5b")
-    parser.add_argument("--rows", default="64,2048")
+    parser.add_argument("--rows", default="1,8,16,64,256,2048")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peak", action="store_true", help="time a vpdpbusd loop first")
+    parser.add_argument("--one-row-cold", action="store_true", help="then one row, every layer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     keep_freed_memory()
     load_cpu_kernels()
     config = ModelConfig.from_dir(resolve_model_path(args.model))
-    print(f"{args.model}, {args.threads} thread(s), best of {args.repeats}, ms\n")
-    print("| layer | rows | three ops (before) | int8_gemm | bfloat16 oneDNN packed |")
-    print("|---|---|---|---|---|")
+    has_vnni = vnni_layout_available()
+    print(f"{args.model}, {args.threads} thread(s), best of {args.repeats} in two turns")
+    print(f"plain: int8_linear below {int8_small_rows()} rows, int8_gemm from there on")
+    if args.peak and has_vnni:
+        print(f"vpdpbusd loop, one thread: {vnni_peak_gops():.0f} GOPS")
+    if not has_vnni:
+        print("no AVX512-VNNI here: the VNNI columns stay empty")
+    elif args.one_row_cold:
+        one_row_cold(config)
+    print()
+    print("| layer | rows | plain ms | VNNI ms | bf16 ms | plain GOPS | VNNI GOPS | plain / VNNI |")
+    print("|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in layer_shapes(config).items():
         w = torch.randn(n, k, generator=gen) * 0.05
-        int8 = Int8Weight(w)
+        plain = Int8Weight(w, vnni=False)
+        vnni = Int8Weight(w, vnni=True) if has_vnni else None
         packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64)
         del w
         for rows in (int(r) for r in args.rows.split(",")):
             if name == "lm_head" and rows > 64:
                 continue  # a prefill computes the head on each prompt's last row only
-            kernels = kernels_for(int8, packed, torch.randn(rows, k, generator=gen))
-            assert torch.equal(kernels["three"](), kernels["gemm"]())
+            kernels = kernels_for(plain, vnni, packed, torch.randn(rows, k, generator=gen))
+            if vnni is not None:
+                assert torch.equal(kernels["plain"](), kernels["vnni"]())
             times: dict[str, float] = {}
             for _ in range(2):  # two turns each, the best kept
                 for kind, fn in kernels.items():
                     ms = best_ms(fn, args.repeats, clock)
                     times[kind] = min(times.get(kind, ms), ms)
+            gops = {kind: 2 * rows * n * k / ms / 1e6 for kind, ms in times.items()}
+            new = times.get("vnni")
             print(
-                f"| {name} | {rows} | {times['three']:.2f} | {times['gemm']:.2f} "
-                f"| {times['bf16']:.2f} |"
+                f"| {name} | {rows} | {times['plain']:.3f} | "
+                + ("" if new is None else f"{new:.3f}")
+                + f" | {times['bf16']:.3f} | {gops['plain']:.0f} | "
+                + ("" if new is None else f"{gops['vnni']:.0f}")
+                + " | "
+                + ("" if new is None else f"{times['plain'] / new:.2f}x")
+                + " |"
             )
 
 

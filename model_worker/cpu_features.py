@@ -25,3 +25,13 @@ def has_int8_dot_products() -> bool:
     """VNNI or AMX: int8 products summed in int32 without the saturating 16-bit pair sums of
     plain AVX2."""
     return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def has_avx512_vnni() -> bool:
+    """512-bit vpdpbusd (with AVX512-BW's byte ops): what int8_vnni.cpp's kernel runs on."""
+    return {"avx512_vnni", "avx512bw"} <= cpu_flags()
+
+
+def has_amx_int8() -> bool:
+    """AMX's int8 tile multiplies, which oneDNN's int8 matmul runs on."""
+    return "amx_int8" in cpu_flags()

@@ -42,6 +42,7 @@ SOURCES = (
     "decoder.cpp",
     "elementwise.cpp",
     "int8.cpp",
+    "int8_vnni.cpp",
     "linear.cpp",
     "quantize_weights.cpp",
     "register.cpp",

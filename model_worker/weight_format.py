@@ -13,7 +13,7 @@ import enum
 import torch
 
 from radixserve.model_worker.packed_linear import PackedWeight
-from radixserve.model_worker.quantization import Int8Weight
+from radixserve.model_worker.quantization import Int8Weight, int8_weight_nbytes
 
 # A linear weight in the form its kernels read, other than a plain tensor.
 PreparedWeight = Int8Weight | PackedWeight
@@ -50,7 +50,7 @@ class WeightFormat(enum.Enum):
     def nbytes(self, rows: int, cols: int, dtype: torch.dtype) -> int:
         """What a [rows, cols] weight loaded in `dtype` takes in memory in this format."""
         if self is WeightFormat.INT8:
-            return rows * cols + rows * torch.float32.itemsize  # one scale per output channel
+            return int8_weight_nbytes(rows, cols)
         return rows * cols * dtype.itemsize
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_sampler import make_info
 
+from radixserve.model_worker import fused_layers, quantization
 from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.forward_batch import ForwardBatch
@@ -123,11 +124,23 @@ def test_fused_layers_equal_the_modules_without_onednn(tiny_model, monkeypatch) 
     _assert_fused_equals_modules(str(tiny_model("qwen2")), torch.float32, None)
 
 
-def test_fused_layers_equal_the_modules_on_int8_linear_alone(tiny_model, monkeypatch) -> None:
-    """oneDNN held below VNNI (inexact int8 sums): int8_linear at every row count."""
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert int8_small_rows() > STEP_ROWS[-1]
+@pytest.mark.parametrize("onednn", [True, False], ids=["int8_gemm", "int8_linear_alone"])
+def test_fused_layers_equal_the_modules_on_plain_int8(tiny_model, monkeypatch, onednn) -> None:
+    """The plain int8 layout, as CPUs without AVX512-VNNI keep it: int8_linear, then oneDNN's
+    int8 matmul; or, with oneDNN held below VNNI (inexact int8 sums), int8_linear at every row
+    count."""
+    monkeypatch.setattr(quantization, "vnni_layout_available", lambda: False)
+    if not onednn:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+        assert int8_small_rows() > STEP_ROWS[-1]
     _assert_fused_equals_modules(str(tiny_model("qwen3")), torch.float32, "int8")
+
+
+def test_fused_layers_take_the_int8_mlp_in_blocks_of_rows(tiny_model, monkeypatch) -> None:
+    """Blocks of one row (the floor of INT8_MLP_BLOCK_BYTES's blocks), through every step: the
+    same logits and KV as the modules, which take the rows all at once."""
+    monkeypatch.setattr(fused_layers, "INT8_MLP_BLOCK_BYTES", 1)
+    _assert_fused_equals_modules(str(tiny_model("qwen2")), torch.float32, "int8")
 
 
 def _assert_fused_equals_modules(path: str, dtype: torch.dtype, quantization: str | None) -> None:

@@ -131,6 +131,18 @@ def _bad_small_ops(ops: Any) -> dict[str, tuple[Callable[..., Any], tuple[Any, .
             ops.int8_gemm,
             (x, torch.ones(3, 8, dtype=torch.int8), torch.ones(3), torch.ones(2)),
         ),
+        "int8_vnni_linear: weight of another K": (
+            ops.int8_vnni_linear,
+            (x, torch.ones(1, 3, 64, 4, dtype=torch.uint8), torch.ones(3), None),
+        ),
+        "int8_vnni_linear: scales for another layout": (
+            ops.int8_vnni_linear,
+            (x, torch.ones(1, 2, 64, 4, dtype=torch.uint8), torch.ones(65), None),
+        ),
+        "int8_vnni_pack: rows past the layout": (
+            ops.int8_vnni_pack,
+            (torch.ones(1, 2, 64, 4, dtype=torch.uint8), 60, torch.ones(8, 8, dtype=torch.int8)),
+        ),
         "dequantize_rows: scales short": (
             ops.dequantize_rows,
             (torch.ones(4, 3, dtype=torch.int32), torch.ones(3), torch.ones(3), None),
@@ -158,6 +170,9 @@ def _bad_small_ops(ops: Any) -> dict[str, tuple[Callable[..., Any], tuple[Any, .
         "int8_gemm: scales short",
         "int8_gemm: weight of another K",
         "int8_gemm: bias short",
+        "int8_vnni_linear: weight of another K",
+        "int8_vnni_linear: scales for another layout",
+        "int8_vnni_pack: rows past the layout",
         "dequantize_rows: scales short",
     ],
 )

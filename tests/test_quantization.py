@@ -1,5 +1,6 @@
 """--quantization int8: w8a8 linear layers, per-token activation scales, exact int32 products
-(the CPU extension's int8_linear, and oneDNN's through torch._int_mm where it is exact)."""
+(the CPU extension's int8_linear, its VNNI kernel on its own weight layout, and oneDNN's through
+torch._int_mm where it is exact)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,31 @@ from radixserve.model_worker.parallel import TPGroup
 from radixserve.model_worker.quantization import (
     INT8_GEMM_MIN_ROWS,
     Int8Weight,
+    int8_weight_nbytes,
     onednn_int8_is_exact,
+    vnni_layout_available,
 )
 
 load_cpu_kernels()  # cached after the first build
 ops = torch.ops.radixserve
+# The weight layouts this CPU runs: plain rows everywhere, VNNI's blocks where it has AVX512-VNNI.
+LAYOUTS = [pytest.param(False, id="plain")] + [
+    pytest.param(
+        True,
+        id="vnni",
+        marks=pytest.mark.skipif(not vnni_layout_available(), reason="no AVX512-VNNI"),
+    )
+]
+needs_vnni = pytest.mark.skipif(not vnni_layout_available(), reason="no AVX512-VNNI")
+
+
+def exact_reference(
+    x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x W^T + b from int64 products of the quantized values, rescaled as every kernel does."""
+    xq, x_scale = ops.quantize_rows_int8(x.contiguous())
+    products = (xq.long() @ q.long().T).int()
+    return ops.dequantize_rows(products, x_scale, w_scale, bias)
 
 
 def test_int8_matmul_is_close_to_float() -> None:
@@ -71,50 +92,51 @@ def test_weights_quantize_per_row_as_the_torch_reference(dtype) -> None:
     rows[5, 6:] = 0
     rows = rows.to(dtype)
     weight = Int8Weight(rows)
+    q = weight.int8_rows()
     ref = rows.float()
     scale = ref.abs().amax(dim=1) / 127
     normal = scale >= torch.finfo(torch.float32).tiny
     inverse = torch.where(normal, 1 / scale, 0)
     expected = torch.round(ref * inverse[:, None]).clamp(-127, 127).to(torch.int8)
-    assert torch.equal(weight.q, expected)
+    assert torch.equal(q, expected)
     assert torch.equal(weight.scale, torch.where(normal, scale, 0))
-    assert weight.q[5, :6].tolist() == [127, 0, 0, 2, -2, -127]
-    assert not weight.q[3].any() and not weight.q[4].any() and weight.scale[4] == 0
+    assert q[5, :6].tolist() == [127, 0, 0, 2, -2, -127]
+    assert not q[3].any() and not q[4].any() and weight.scale[4] == 0
 
 
-def test_int8_products_are_exact_at_the_extremes() -> None:
+@pytest.mark.parametrize("vnni", LAYOUTS)
+def test_int8_products_are_exact_at_the_extremes(vnni: bool) -> None:
     """127 * 127 pairs overflow a 16-bit pair sum (where AVX2 saturates) unless the kernel
-    keeps them below 2^15: the sums must come out exact, and both paths agree bit for bit."""
+    keeps them below 2^15: the sums must come out exact, and all paths agree bit for bit."""
     gen = torch.Generator().manual_seed(3)
     K = 1536
     signs = torch.randint(0, 2, (3, 16, K), generator=gen) * 2 - 1
     x = (signs[0] * 127).float()  # rows of +-127: each row's scale is exactly 1
-    weight = Int8Weight(signs[1] * 3.0)
-    weight.q = (signs[1] * 127).to(torch.int8)
-    weight.scale = torch.ones(16)
-    expected = (x.long() @ weight.q.long().T).float()
+    weight = Int8Weight.from_int8(signs[1] * 127, torch.ones(16), vnni=vnni)
+    expected = (x.long() @ (signs[1] * 127).T).float()
     for rows in (1, 8, 16):
         assert torch.equal(weight.matmul(x[:rows], None), expected[:rows])
     if onednn_int8_is_exact():
-        assert INT8_GEMM_MIN_ROWS <= 16  # the 16 rows above went through oneDNN
+        assert INT8_GEMM_MIN_ROWS <= 16  # the 16 rows above went through oneDNN (plain)
 
 
-def test_a_weight_of_minus_128_keeps_its_sign() -> None:
+@pytest.mark.parametrize("vnni", LAYOUTS)
+def test_a_weight_of_minus_128_keeps_its_sign(vnni: bool) -> None:
     """Pre-quantized checkpoints use -128, which AVX2's sign trick once negated to itself:
     every path gives the exact products of any int8 weight; weights quantized here stay in
     [-127, 127]."""
     gen = torch.Generator().manual_seed(5)
     K = 96
     x = (torch.randint(0, 2, (16, K), generator=gen) * 2 - 1).float() * 127  # scale exactly 1
-    weight = Int8Weight(torch.ones(4, K))
-    weight.q = torch.full((4, K), -128, dtype=torch.int8)
-    weight.q[1, ::2] = 127
-    weight.scale = torch.ones(4)
-    expected = (x.long() @ weight.q.long().T).float()
+    q = torch.full((4, K), -128, dtype=torch.int8)
+    q[1, ::2] = 127
+    weight = Int8Weight.from_int8(q, torch.ones(4), vnni=vnni)
+    assert torch.equal(weight.int8_rows(), q)
+    expected = (x.long() @ q.long().T).float()
     for rows in (1, 3, 8, 16):
         assert torch.equal(weight.matmul(x[:rows], None), expected[:rows])
-    quantized = Int8Weight(torch.randn(8, K, generator=gen))
-    assert quantized.q.min() >= -127 and quantized.q.max() <= 127
+    quantized = Int8Weight(torch.randn(8, K, generator=gen), vnni=vnni).int8_rows()
+    assert quantized.min() >= -127 and quantized.max() <= 127
 
 
 def test_a_subnormal_channel_scale_quantizes_to_zeros_not_infinities() -> None:
@@ -122,8 +144,9 @@ def test_a_subnormal_channel_scale_quantizes_to_zeros_not_infinities() -> None:
     w[1] = 1e-40  # subnormal: 1 / (1e-40 / 127) is infinite in float32
     w[2] = 0.0
     weight = Int8Weight(w)
-    assert weight.scale[1] == 0 and weight.scale[2] == 0 and not weight.q[1:].any()
-    assert torch.isfinite(weight.scale).all() and weight.q[0].abs().max() == 127
+    q = weight.int8_rows()
+    assert weight.scale[1] == 0 and weight.scale[2] == 0 and not q[1:].any()
+    assert torch.isfinite(weight.scale).all() and q[0].abs().max() == 127
     y = weight.matmul(torch.randn(2, 64), None)
     assert torch.isfinite(y).all() and not y[:, 1:].any()
 
@@ -149,7 +172,7 @@ def test_int8_gemm_rescales_block_by_block_as_one_rescale_of_the_whole(with_bias
     give the separate ops' result bit for bit, bias or not, on rows of any stride."""
     gen = torch.Generator().manual_seed(7)
     N, K = 40_000, 72  # K not a multiple of the SIMD width, N beyond one block
-    weight = Int8Weight(torch.randn(N, K, generator=gen))
+    weight = Int8Weight(torch.randn(N, K, generator=gen), vnni=False)
     bias = torch.randn(N, generator=gen) if with_bias else None
     x = torch.randn(300, 2 * K, generator=gen)[:, :K]  # rows 2K apart: not contiguous
     xq, x_scale = ops.quantize_rows_int8(x.contiguous())
@@ -158,6 +181,48 @@ def test_int8_gemm_rescales_block_by_block_as_one_rescale_of_the_whole(with_bias
     for rows in (300, 105, 9, 1):
         assert torch.equal(ops.int8_gemm(x[:rows], weight.q, weight.scale, bias), expected[:rows])
     assert ops.int8_gemm(x[:0], weight.q, weight.scale, bias).shape == (0, N)
+
+
+@needs_vnni
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 13), (100, 70), (130, 261)])
+def test_the_vnni_kernel_is_exact_at_odd_shapes(n: int, k: int) -> None:
+    """Channels not a multiple of the block (64) or vector (16), K not a multiple of the group
+    (4) or the vector (64), every row count of 1 to 70 (tiles of 6 rows and every remainder), rows
+    of any stride, bias or not: the exact int32 products, rescaled bit for bit as the other
+    paths do, and as int8_linear on the plain weight."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    w_scale = torch.rand(n, generator=gen)
+    weight = Int8Weight.from_int8(q, w_scale, vnni=True)
+    assert torch.equal(weight.int8_rows(), q)
+    x = torch.randn(70, 2 * k, generator=gen)[:, :k] * 3  # rows 2K apart: not contiguous
+    for bias in (None, torch.randn(n, generator=gen)):
+        expected = exact_reference(x, q, w_scale, bias)
+        for rows in range(1, 71):
+            assert torch.equal(weight.matmul(x[:rows], bias), expected[:rows]), rows
+        assert torch.equal(ops.int8_linear(x[:5], q, w_scale, bias), expected[:5])
+    assert weight.matmul(x[:0], None).shape == (0, n)
+
+
+@pytest.mark.parametrize("vnni", LAYOUTS)
+def test_the_loader_fills_one_copy_in_pieces(vnni: bool) -> None:
+    """As the loader writes a fused weight (pieces of rows, starting anywhere in a block of the
+    layout): the same weight as quantized whole, in one tensor of the planned size."""
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(300, 93, generator=gen)
+    whole = Int8Weight(w, vnni=vnni)
+    pieces = Int8Weight.empty(300, 93, torch.device("cpu"), vnni=vnni)
+    for start, end in ((0, 37), (37, 64), (64, 200), (200, 300)):
+        pieces.quantize_rows(start, w[start:end])
+    assert torch.equal(pieces.q, whole.q) and torch.equal(pieces.scale, whole.scale)
+    assert torch.equal(pieces.int8_rows(), Int8Weight(w, vnni=False).q)
+    assert pieces.tensors() == (pieces.q, pieces.scale)
+    assert pieces.nbytes == pieces.q.nbytes + pieces.scale.nbytes
+    if vnni == vnni_layout_available():  # the layout the model's memory plan counts
+        assert pieces.nbytes == int8_weight_nbytes(300, 93)
+    x = torch.randn(9, 93, generator=gen)
+    expected = exact_reference(x, pieces.int8_rows(), whole.scale, None)
+    assert torch.equal(pieces.matmul(x, None), expected)
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,8 @@ class Linear : public torch::CustomClassHolder {
   // kind "dense": `weight` float; "packed": `weight` reordered for oneDNN (no plain copy is
   // kept), in float32 panels of `panel_block` channels by `panel_k_pad` where linear_panels reads
   // it below `small_rows` (packed_linear.Panels; else 0 and oneDNN at every row count); "int8":
-  // `weight` int8 and `aux` its per-channel scales.
+  // `weight` int8 and `aux` its per-channel scales; "int8_vnni": likewise, `weight` in
+  // int8_vnni.cpp's layout, whose kernel takes every row count.
   Linear(const std::string& kind, at::Tensor weight, c10::optional<at::Tensor> aux,
          c10::optional<at::Tensor> bias, int64_t small_rows, int64_t panel_block,
          int64_t panel_k_pad)
@@ -52,10 +54,13 @@ class Linear : public torch::CustomClassHolder {
       kind_ = Kind::kPacked;
     } else if (kind == "int8") {
       kind_ = Kind::kInt8;
+    } else if (kind == "int8_vnni") {
+      kind_ = Kind::kInt8Vnni;
     } else {
       TORCH_CHECK(false, "Linear: unknown kind ", kind);
     }
-    TORCH_CHECK(aux.has_value() == (kind_ == Kind::kInt8), "Linear: kind ", kind,
+    const bool int8 = kind_ == Kind::kInt8 || kind_ == Kind::kInt8Vnni;
+    TORCH_CHECK(aux.has_value() == int8, "Linear: kind ", kind,
                 aux.has_value() ? " takes no aux" : " needs aux");
     if (aux.has_value()) aux_ = *aux;
     TORCH_CHECK(kind_ != Kind::kDense || small_rows_ <= kMaxSmallM + 1,
@@ -64,6 +69,12 @@ class Linear : public torch::CustomClassHolder {
                     (panel_block_ > 0 && small_rows_ <= kMaxPanelRows + 1),
                 "Linear: linear_panels takes panels and at most ", kMaxPanelRows, " rows");
   }
+
+  // Whether a row's result depends on nothing but that row (int8's exact sums): then rows may go
+  // through in blocks with the same result.
+  bool rows_apart() const { return kind_ == Kind::kInt8 || kind_ == Kind::kInt8Vnni; }
+  // Outputs per row, of the int8 kinds (one weight scale each).
+  int64_t int8_outputs() const { return aux_.numel(); }
 
   at::Tensor forward(const at::Tensor& x) const {
     // int8_linear takes rows of any stride, linear_small_m contiguous x only.
@@ -77,12 +88,14 @@ class Linear : public torch::CustomClassHolder {
       case Kind::kInt8: {
         return small ? int8_linear(x, weight_, aux_, bias_) : int8_gemm(x, weight_, aux_, bias_);
       }
+      case Kind::kInt8Vnni:
+        return int8_vnni_linear(x, weight_, aux_, bias_);
     }
     TORCH_CHECK(false, "Linear: unknown kind");
   }
 
  private:
-  enum class Kind { kDense, kPacked, kInt8 };
+  enum class Kind { kDense, kPacked, kInt8, kInt8Vnni };
   Kind kind_ = Kind::kDense;
   at::Tensor weight_, aux_;
   c10::optional<at::Tensor> bias_;
@@ -91,13 +104,16 @@ class Linear : public torch::CustomClassHolder {
 
 class DecoderLayers : public torch::CustomClassHolder {
  public:
+  // mlp_block_bytes: how large gate_up's float32 output may grow before the MLP takes the rows
+  // in blocks, where its linears keep rows apart (0: never).
   DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                double scale)
+                double scale, int64_t mlp_block_bytes)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         eps_(eps),
-        scale_(scale) {}
+        scale_(scale),
+        mlp_block_bytes_(mlp_block_bytes) {}
 
   // o_bias and down_bias are added after the matmul, as RowParallelLinear adds them after its
   // all-reduce: the same rounding as the modules.
@@ -140,8 +156,7 @@ class DecoderLayers : public torch::CustomClassHolder {
                                         kv_slots, prefix_lens, extend_lens, scale_);
       at::Tensor o = add_bias(layer.o_proj->forward(attn.reshape({-1, q_size})), layer.o_bias);
       fused_add_rms_norm(o, residual, layer.post_norm, eps_);
-      hidden = add_bias(layer.down->forward(silu_and_mul(layer.gate_up->forward(o))),
-                        layer.down_bias);
+      hidden = add_bias(mlp(layer, o), layer.down_bias);
     }
     return hidden;
   }
@@ -156,12 +171,36 @@ class DecoderLayers : public torch::CustomClassHolder {
     c10::optional<at::Tensor> down_bias;
   };
 
+  // down(silu(gate_up(x))), in blocks of rows whose gate_up output stays within
+  // mlp_block_bytes_ where the linears keep rows apart: a long prefill chunk's (2,048 rows x
+  // 9,728 outputs: 80 MB on the 0.5B), past glibc's mmap threshold, was page-faulted in afresh
+  // at every layer, and so was silu's.
+  at::Tensor mlp(const Layer& layer, const at::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    const bool apart = layer.gate_up->rows_apart() && layer.down->rows_apart();
+    const int64_t block =
+        apart ? std::max<int64_t>(1, mlp_block_bytes_ / (4 * layer.gate_up->int8_outputs())) : 0;
+    if (mlp_block_bytes_ <= 0 || !apart || rows <= block) {
+      return layer.down->forward(silu_and_mul(layer.gate_up->forward(x)));
+    }
+    at::Tensor out;
+    for (int64_t begin = 0; begin < rows; begin += block) {
+      const int64_t n = std::min(block, rows - begin);
+      const at::Tensor y =
+          layer.down->forward(silu_and_mul(layer.gate_up->forward(x.narrow(0, begin, n))));
+      if (!out.defined()) out = at::empty({rows, y.size(1)}, y.options());
+      out.narrow(0, begin, n).copy_(y);
+    }
+    return out;
+  }
+
   static at::Tensor add_bias(const at::Tensor& y, const c10::optional<at::Tensor>& bias) {
     return bias.has_value() ? y + *bias : y;
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
+  int64_t mlp_block_bytes_;
   std::vector<Layer> layers_;
 };
 
@@ -170,7 +209,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
       .def(torch::init<const std::string&, at::Tensor, c10::optional<at::Tensor>,
                        c10::optional<at::Tensor>, int64_t, int64_t, int64_t>());
   m.class_<DecoderLayers>("DecoderLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add_layer", &DecoderLayers::add_layer)
       .def("forward", &DecoderLayers::forward);
 }

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "ops.h"
+#include "quantize_row.h"
 #include "vec_utils.h"
 
 namespace radixserve {
@@ -151,24 +152,6 @@ void int8_linear_m(const int8_t* x, const float* x_scale, const int8_t* w, const
   });
 }
 
-// Activations come in float32 or bfloat16 (a bfloat16 model's); the kernels quantize and rescale
-// in float32. A bfloat16 row's values are exactly representable in float32, so quantizing its
-// float32 copy is quantizing the row itself; the result is rounded to the activations' dtype once.
-at::Tensor as_float(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": activations must be float32 or bfloat16");
-  return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-}
-
-c10::optional<at::Tensor> bias_as_float(const c10::optional<at::Tensor>& bias) {
-  if (!bias.has_value() || bias->scalar_type() == at::kFloat) return bias;
-  return bias->to(at::kFloat);
-}
-
-at::Tensor in_dtype_of(const at::Tensor& y, const at::Tensor& x) {
-  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
-}
-
 const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t N, const char* op) {
   if (!bias.has_value()) return nullptr;
   TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
@@ -187,42 +170,26 @@ void check_scales(const at::Tensor& x_scale, int64_t M, const at::Tensor& w_scal
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "quantize_rows_int8: float32 x [M, K] with contiguous rows");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
+              "quantize_rows_int8: x [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({M}, x.options());
-  const float* xp = x.data_ptr<float>();
+  at::Tensor scale = at::empty({M}, x.options().dtype(at::kFloat));
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
-  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* row = xp + m * x.stride(0);
-      int8_t* out = qp + m * K;
-      Vec vmax(0.f);
-      int64_t k = 0;
-      for (; k + kLanes <= K; k += kLanes) vmax = at::vec::maximum(vmax, Vec::loadu(row + k).abs());
-      float absmax = at::vec::vec_reduce_all<float>(
-          [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-      for (; k < K; ++k) absmax = std::max(absmax, std::abs(row[k]));
-      // An all-zero row keeps scale 0 and quantizes to zeros.
-      sp[m] = absmax / 127.f;
-      const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
-      const Vec vinv(inv);
-      float rounded[kLanes];  // to nearest, ties to even, as torch.round
-      for (k = 0; k + kLanes <= K; k += kLanes) {
-        (Vec::loadu(row + k) * vinv).round().store(rounded);
-        for (int64_t i = 0; i < kLanes; ++i) out[k + i] = static_cast<int8_t>(rounded[i]);
+  RADIXSERVE_DISPATCH_FLOAT(x, "quantize_rows_int8", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        sp[m] = quantize_row(xp + m * x.stride(0), K, qp + m * K);
       }
-      for (; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(row[k] * inv));
-    }
+    });
   });
   return {q, scale};
 }
 
-at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& w_scale,
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
                        const c10::optional<at::Tensor>& bias_in) {
-  const at::Tensor x = as_float(x_in, "int8_linear");
   const c10::optional<at::Tensor> bias = bias_as_float(bias_in);
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar &&
                   weight.is_contiguous() && x.size(1) == weight.size(1),
@@ -251,7 +218,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
       default: int8_linear_m<8>(xp, xs, wp, ws, bp, yp, K, N); break;
     }
   }
-  return in_dtype_of(y, x_in);
+  return in_dtype_of(y, x);
 }
 
 at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
@@ -272,9 +239,8 @@ at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
   return y;
 }
 
-at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& w_scale,
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
                      const c10::optional<at::Tensor>& bias_in) {
-  const at::Tensor x = as_float(x_in, "int8_gemm");
   const c10::optional<at::Tensor> bias = bias_as_float(bias_in);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 &&
                   weight.dim() == 2 && weight.scalar_type() == at::kChar &&
@@ -286,7 +252,7 @@ at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& weight, const at:
   const int64_t M = x.size(0), N = weight.size(0);
   const float* bp = bias_data(bias, N, "int8_gemm");
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0) return in_dtype_of(y, x_in);
+  if (M == 0) return in_dtype_of(y, x);
   // The int32 products of a whole prefill chunk (2048 rows x the 0.5B's 9728 gate_up outputs:
   // 80 MB, page-faulted in on every call) went out to memory and back for the rescale: a fifth
   // of an int8 prefill. A block of the weight's rows (the output's columns) at a time keeps
@@ -308,7 +274,7 @@ at::Tensor int8_gemm(const at::Tensor& x_in, const at::Tensor& weight, const at:
       rescale_rows(ap, width, xs, ws + n0, bias_cols, yp + n0, N, width, begin, end);
     });
   }
-  return in_dtype_of(y, x_in);
+  return in_dtype_of(y, x);
 }
 
 }  // namespace radixserve

@@ -31,6 +31,10 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
                      const c10::optional<at::Tensor>& bias);
 at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
                            const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
+void int8_vnni_pack(at::Tensor& packed, int64_t start, const at::Tensor& rows);
+at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
+bool int8_vnni_available();
 at::Tensor argmax_rows(const at::Tensor& x);
 
 }  // namespace radixserve

@@ -21,6 +21,10 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) -> Tensor");
   m.def("dequantize_rows(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor");
+  m.def("int8_vnni_pack(Tensor(a!) packed, int start, Tensor rows) -> ()");
+  m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias) -> Tensor");
+  // No tensor to dispatch on: one kernel for every key.
+  m.def("int8_vnni_available() -> bool", &radixserve::int8_vnni_available);
   m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
@@ -36,6 +40,8 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("int8_linear", &radixserve::int8_linear);
   m.impl("int8_gemm", &radixserve::int8_gemm);
   m.impl("dequantize_rows", &radixserve::dequantize_rows);
+  m.impl("int8_vnni_pack", &radixserve::int8_vnni_pack);
+  m.impl("int8_vnni_linear", &radixserve::int8_vnni_linear);
   m.impl("argmax_rows", &radixserve::argmax_rows);
 }
 
