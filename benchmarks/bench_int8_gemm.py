@@ -32,7 +32,7 @@ import torch
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.model_source import resolve_model_path
-from radixserve.model_worker.quantization import Int8Weight, int8_small_rows, vnni_layout_available
+from radixserve.model_worker.quantization import Int8Weight, int8_small_rows, vnni_kernel_available
 from radixserve.process_setup import keep_freed_memory
 
 # 24 independent vpdpbusd on zmm registers a round: nothing but the instruction's throughput.
@@ -140,7 +140,7 @@ def main() -> None:
     keep_freed_memory()
     load_cpu_kernels()
     config = ModelConfig.from_dir(resolve_model_path(args.model))
-    has_vnni = vnni_layout_available()
+    has_vnni = vnni_kernel_available()
     print(f"{args.model}, {args.threads} thread(s), best of {args.repeats} in two turns")
     print(f"plain: int8_linear below {int8_small_rows()} rows, int8_gemm from there on")
     if args.peak and has_vnni:

@@ -57,7 +57,7 @@ def main() -> None:
     path = resolve_model_path(args.model)
     max_len = 128 + args.steps + 1
     int8 = args.quantization == "int8"
-    if int8 and not quantization.vnni_layout_available():
+    if int8 and not quantization.vnni_kernel_available():
         raise SystemExit("no AVX512-VNNI here: int8 has the plain layout only")
     configs: dict[str, int | bool] = {**(INT8_CONFIGS if int8 else FLOAT_CONFIGS)}
     runners = {}

@@ -50,15 +50,18 @@ def int8_small_rows() -> int:
     return INT8_GEMM_MIN_ROWS if onednn_int8_is_exact() else sys.maxsize
 
 
-def vnni_layout_available() -> bool:
-    """Whether int8 weights are kept in int8_vnni.cpp's layout, for its kernel: the CPU has
-    AVX512-VNNI and the extension was built with it (it is built for the CPU it runs on). CPUs
-    with AMX keep the plain layout: there oneDNN's int8 matmul runs on AMX tiles, whose peak is
-    several times VNNI's (not measured here: this kernel was tuned on a Zen 4 without AMX)."""
+def vnni_kernel_available() -> bool:
+    """Whether int8_vnni.cpp's kernel runs here: the CPU has AVX512-VNNI and the extension was
+    built with it (it is built for the CPU it runs on)."""
     load_cpu_kernels()
-    if not has_avx512_vnni() or has_amx_int8():
-        return False
-    return bool(torch.ops.radixserve.int8_vnni_available())
+    return has_avx512_vnni() and bool(torch.ops.radixserve.int8_vnni_available())
+
+
+def vnni_layout_available() -> bool:
+    """Whether int8 weights are kept in int8_vnni.cpp's layout, for its kernel: where it runs,
+    but on CPUs with AMX, which keep the plain layout: there oneDNN's int8 matmul runs on AMX
+    tiles, whose peak is several times VNNI's (not measured: the kernel was tuned on a Zen 4)."""
+    return vnni_kernel_available() and not has_amx_int8()
 
 
 def _vnni_shape(rows: int, cols: int) -> tuple[int, int, int, int]:

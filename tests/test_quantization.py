@@ -18,20 +18,16 @@ from radixserve.model_worker.quantization import (
     Int8Weight,
     int8_weight_nbytes,
     onednn_int8_is_exact,
+    vnni_kernel_available,
     vnni_layout_available,
 )
 
 load_cpu_kernels()  # cached after the first build
 ops = torch.ops.radixserve
-# The weight layouts this CPU runs: plain rows everywhere, VNNI's blocks where it has AVX512-VNNI.
-LAYOUTS = [pytest.param(False, id="plain")] + [
-    pytest.param(
-        True,
-        id="vnni",
-        marks=pytest.mark.skipif(not vnni_layout_available(), reason="no AVX512-VNNI"),
-    )
-]
-needs_vnni = pytest.mark.skipif(not vnni_layout_available(), reason="no AVX512-VNNI")
+# The weight layouts this CPU runs: plain rows everywhere, VNNI's blocks where it has AVX512-VNNI
+# (AMX CPUs too, though their models keep the plain layout).
+needs_vnni = pytest.mark.skipif(not vnni_kernel_available(), reason="no AVX512-VNNI")
+LAYOUTS = [pytest.param(False, id="plain"), pytest.param(True, id="vnni", marks=needs_vnni)]
 
 
 def exact_reference(
