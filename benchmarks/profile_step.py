@@ -40,6 +40,8 @@ CATEGORIES = {
         "quantized::linear",
         "radixserve::int8_linear",
         "radixserve::int8_gemm",
+        "radixserve::int8_vnni_linear",
+        "radixserve::linear_panels",
         "radixserve::quantize_rows_int8",
         "radixserve::dequantize_rows",
         "aten::_int_mm",

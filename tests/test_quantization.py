@@ -185,7 +185,7 @@ def test_the_vnni_kernel_is_exact_at_odd_shapes(n: int, k: int) -> None:
     """Channels not a multiple of the block (64) or vector (16), K not a multiple of the group
     (4) or the vector (64), every row count of 1 to 70 (tiles of 6 rows and every remainder), rows
     of any stride, bias or not: the exact int32 products, rescaled bit for bit as the other
-    paths do, and as int8_linear on the plain weight."""
+    paths do, and as int8_linear on the plain weight; bfloat16 rows likewise."""
     gen = torch.Generator().manual_seed(8)
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     w_scale = torch.rand(n, generator=gen)
@@ -197,6 +197,14 @@ def test_the_vnni_kernel_is_exact_at_odd_shapes(n: int, k: int) -> None:
         for rows in range(1, 71):
             assert torch.equal(weight.matmul(x[:rows], bias), expected[:rows]), rows
         assert torch.equal(ops.int8_linear(x[:5], q, w_scale, bias), expected[:5])
+        # bfloat16 rows (a bfloat16 model's): the float32 result of their exact values, rounded
+        # once, on every path.
+        x16 = x.bfloat16()
+        expected16 = exact_reference(x16.float(), q, w_scale, bias).bfloat16()
+        for rows in (1, 6, 7, 70):
+            assert torch.equal(weight.matmul(x16[:rows], bias), expected16[:rows]), rows
+        for path in (ops.int8_linear, ops.int8_gemm):
+            assert torch.equal(path(x16[:9].contiguous(), q, w_scale, bias), expected16[:9])
     assert weight.matmul(x[:0], None).shape == (0, n)
 
 

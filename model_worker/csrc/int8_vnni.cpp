@@ -15,13 +15,16 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512F__)
 #include <immintrin.h>
 #define RADIXSERVE_INT8_VNNI 1
 #endif
 
 #include <array>
 #include <cstring>
+
+#include <c10/util/BFloat16.h>
 
 #include "ops.h"
 #include "quantize_row.h"
@@ -41,6 +44,7 @@ constexpr int64_t kGroup = 4;   // k per vpdpbusd lane
 // the L2 cache across its row tiles; one row reads the weight at memory speed.
 constexpr int kRows = 6;
 
+template <typename Out>
 struct Tile {
   const int8_t* x;       // the tile's first token, quantized; rows k_pad apart
   const float* x_scale;  // its tokens' scales
@@ -48,7 +52,7 @@ struct Tile {
   const uint8_t* w;      // the tile's block
   const float* w_scale;  // the block's first channel
   const float* bias;     // likewise, or nullptr
-  float* y;              // [token, first channel]; rows n apart
+  Out* y;                // [token, first channel]; rows n apart, in the activations' dtype
   int64_t k_pad, n, channels;  // channels: to store, at most kBlock
 };
 
@@ -58,10 +62,23 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
+// Outputs stored in the activations' dtype, bfloat16 rounded to nearest even as torch rounds
+// (a NaN stays a NaN): a float32 copy of a 64-row LM head's logits would be 39 MB a step.
+inline void store_outputs(float* p, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(p, mask, v); }
+inline void store_outputs(at::BFloat16* p, __mmask16 mask, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  rounded = _mm512_srli_epi32(rounded, 16);
+  const __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+  rounded = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0x7fc0), rounded);
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
 // The loops over r and v are unrolled (GCC otherwise keeps acc on the stack, a load and a
 // store around every vpdpbusd).
-template <int R>
-void vnni_tile(const Tile& t) {
+template <int R, typename Out>
+void vnni_tile(const Tile<Out>& t) {
   constexpr int V = kVecs;
   __m512i acc[R][V];
 #pragma GCC unroll 8
@@ -93,18 +110,20 @@ void vnni_tile(const Tile& t) {
       for (int r = 0; r < R; ++r) {
         const __m512i sum = _mm512_sub_epi32(acc[r][v], _mm512_set1_epi32(t.x_sum[r]));
         const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(t.x_scale[r]), ws);
-        _mm512_mask_storeu_ps(t.y + r * t.n + c, mask,
-                              _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, b));
+        store_outputs(t.y + r * t.n + c, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, b));
       }
     }
   }
 }
 
-using TileFn = void (*)(const Tile&);
+template <typename Out>
+using TileFn = void (*)(const Tile<Out>&);
 
-// kTiles[rows - 1]
-constexpr std::array<TileFn, kRows> kTiles = {&vnni_tile<1>, &vnni_tile<2>, &vnni_tile<3>,
-                                              &vnni_tile<4>, &vnni_tile<5>, &vnni_tile<6>};
+// tiles<Out>[rows - 1]
+template <typename Out>
+constexpr std::array<TileFn<Out>, kRows> kTiles = {
+    &vnni_tile<1, Out>, &vnni_tile<2, Out>, &vnni_tile<3, Out>,
+    &vnni_tile<4, Out>, &vnni_tile<5, Out>, &vnni_tile<6, Out>};
 #endif
 
 }  // namespace
@@ -156,8 +175,8 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
                 "int8_vnni_linear: bias must be contiguous float32 [N]");
     bp = bias->data_ptr<float>();
   }
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return in_dtype_of(y, x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
 #if defined(RADIXSERVE_INT8_VNNI)
   // The tokens quantized here, each on its own scale as quantize_rows_int8 does, k_pad apart
   // (the padding zeros), with 128 * their sum: the flipped weight's extra term.
@@ -182,31 +201,33 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
   });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* ws = w_scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Threads take blocks of output channels: each reads its part of the weight once.
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t n0 = block * kBlock;
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, M - m);
-        const Tile tile{xqp + m * k_pad,
-                        xs + m,
-                        sums + m,
-                        wp + block * k_pad * kBlock,
-                        ws + n0,
-                        bp == nullptr ? nullptr : bp + n0,
-                        yp + m * N + n0,
-                        k_pad,
-                        N,
-                        std::min(kBlock, N - n0)};
-        kTiles[rows - 1](tile);
+  RADIXSERVE_DISPATCH_FLOAT(y, "int8_vnni_linear", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    // Threads take blocks of output channels: each reads its part of the weight once.
+    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t n0 = block * kBlock;
+        for (int64_t m = 0; m < M; m += kRows) {
+          const int64_t rows = std::min<int64_t>(kRows, M - m);
+          const Tile<scalar_t> tile{xqp + m * k_pad,
+                                    xs + m,
+                                    sums + m,
+                                    wp + block * k_pad * kBlock,
+                                    ws + n0,
+                                    bp == nullptr ? nullptr : bp + n0,
+                                    yp + m * N + n0,
+                                    k_pad,
+                                    N,
+                                    std::min(kBlock, N - n0)};
+          kTiles<scalar_t>[rows - 1](tile);
+        }
       }
-    }
+    });
   });
 #else
   TORCH_CHECK(false, "int8_vnni_linear: this build has no AVX512-VNNI (int8_vnni_available)");
 #endif
-  return in_dtype_of(y, x);
+  return y;
 }
 
 bool int8_vnni_available() {
