@@ -25,3 +25,9 @@ def has_int8_dot_products() -> bool:
     """VNNI or AMX: int8 products summed in int32 without the saturating 16-bit pair sums of
     plain AVX2."""
     return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def has_avx512_bf16() -> bool:
+    """vdpbf16ps, the bfloat16 pair dot product the extension's linear_panels runs on (its
+    build for this CPU has it exactly when the CPU reports it: -march=native)."""
+    return "avx512_bf16" in cpu_flags()

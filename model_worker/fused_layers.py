@@ -29,11 +29,11 @@ def linear_kernel(
     linear = torch.classes.radixserve.Linear
     small_rows = small_kernel_rows(weight)
     if isinstance(weight, Int8Weight):
-        return linear("int8", weight.q, weight.scale, bias, small_rows, 0, 0)
+        return linear("int8", weight.q, weight.scale, bias, small_rows, 0, 0, 0)
     if isinstance(weight, PackedWeight):
-        panels = weight.panels or Panels(0, 0)
-        return linear("packed", weight.packed, None, bias, small_rows, panels.block, panels.k_pad)
-    return linear("dense", weight, None, bias, small_rows, 0, 0)
+        p = weight.panels or Panels(0, 0)
+        return linear("packed", weight.packed, None, bias, small_rows, p.block, p.k_pad, p.k_block)
+    return linear("dense", weight, None, bias, small_rows, 0, 0, 0)
 
 
 class FusedDecoderLayers:

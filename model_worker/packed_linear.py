@@ -8,16 +8,21 @@ kept: an 8B model's two copies would not fit in 24 GiB.
 
 For one or two rows oneDNN's fixed cost per call outweighs a small layer's matmul: float32 ran
 ~2x faster there in the extension's linear_small_m on a plain copy. oneDNN lays float32 out in
-panels of output channels ([N / block][K padded][block]); where it did that, `panels` says so and
-the extension's linear_panels reads the same copy for a few rows (fused_ops.PANEL_ROWS).
+panels of output channels ([N / block][K padded][block]), and bfloat16 on AVX512-BF16 in panels
+of k pairs ([N / block][K padded / 2][block][2], the operand of vdpbf16ps); where it did that,
+`panels` says so and the extension's linear_panels reads the same copy for a few rows
+(fused_ops.PANEL_ROWS).
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from radixserve.model_worker.cpu_features import has_avx512_bf16
+from radixserve.model_worker.cpu_kernels import KernelBuildError, load_cpu_kernels
 
 
 def onednn_packing_available() -> bool:
@@ -33,14 +38,25 @@ _PACK_ROWS_HINT = 64
 # Output channels per panel that linear_panels reads (the widths its kernel is compiled for).
 _PANEL_BLOCKS = (64, 32, 16)
 _CHECK_ELEMENTS = 1 << 22  # compared at a time: the comparison's temporaries stay small
+# Blocks of k that oneDNN's bfloat16 matmul sums products in, each from zero and then added to the
+# total, tried in this order: on the EPYC here (avx512_core_bf16) 512 for K up to 1024 and 1024
+# above, for 8 rows and more; 0 is all K in one block.
+_K_BLOCKS = (512, 1024, 256, 2048, 0)
+_PROBE_OUTPUTS = 1 << 16  # compared by onednn_sum_blocks: a wrong block shows in ~1 in 10^4
+_PROBE_ROWS = (8, 64)  # oneDNN sums 8 rows and more in one order (7 at the least)
 
 
 @dataclass(frozen=True)
 class Panels:
-    """A float32 weight [N, K] laid out as N / block panels of [k_pad][block], back to back."""
+    """A weight [N, K] laid out as N / block panels of [k_pad / group][block][group], back to
+    back: `group` consecutive k of one output channel side by side (1 in float32, 2 in
+    bfloat16: one 32-bit lane). linear_panels sums bfloat16 products over blocks of `k_block`
+    k (0: all K in one), as oneDNN does for many rows (`onednn_sum_blocks`)."""
 
     block: int
     k_pad: int
+    group: int = 1
+    k_block: int = 0
 
 
 class PackedWeight:
@@ -51,7 +67,11 @@ class PackedWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
-        self.panels = find_panels(weight, self.packed) if weight.dtype == torch.float32 else None
+        panels = find_panels(weight, self.packed) if _panels_kernel(weight.dtype) else None
+        if panels is not None and weight.dtype == torch.bfloat16:
+            k_block = onednn_sum_blocks(self.packed, panels)
+            panels = None if k_block is None else replace(panels, k_block=k_block)
+        self.panels = panels
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> x W^T + bias [M, N], in the weight's dtype."""
@@ -68,27 +88,83 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _panels_kernel(dtype: torch.dtype) -> bool:
+    """Whether linear_panels computes this dtype on this CPU (bfloat16: with vdpbf16ps)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and has_avx512_bf16())
+
+
 def find_panels(weight: torch.Tensor, packed: torch.Tensor) -> Panels | None:
     """The panels `packed` holds `weight` [N, K] in, if it does (oneDNN's choice depends on the
-    CPU and the shape): checked against the weight's every value, so linear_panels reads only a
-    layout proven to be this one."""
+    CPU, the shape and the dtype): checked against the weight's every value, and the padding
+    past K as zeros, so linear_panels reads only a layout proven to be this one."""
     n, k = weight.shape
+    group = 4 // weight.element_size()  # k values of a channel in one 32-bit lane
     nbytes = int(torch.ops.mkldnn._nbytes(packed))
     if nbytes % weight.element_size():
         return None
     buffer = (ctypes.c_char * nbytes).from_address(int(torch.ops.mkldnn.data_ptr(packed)))
-    data = torch.frombuffer(buffer, dtype=torch.float32)
+    data = torch.frombuffer(buffer, dtype=weight.dtype)
     for block in _PANEL_BLOCKS:
         k_pad, rest = divmod(data.numel(), n)
-        if n % block or rest or k_pad < k:
+        if n % block or rest or k_pad < k or k_pad % group:
             continue
-        # panel p, row kk, lane j holds weight[p * block + j, kk]
-        panels = data.view(n // block, k_pad, block)[:, :k]
-        expected = weight.reshape(n // block, block, k).transpose(1, 2)
-        step = max(1, _CHECK_ELEMENTS // (block * k))  # panels compared at a time
+        # panel p, k-group g, lane j, element i holds weight[p * block + j, g * group + i]
+        groups = data.view(n // block, k_pad // group, block, group)
+        step = max(1, _CHECK_ELEMENTS // (block * k_pad))  # panels compared at a time
         if all(
-            torch.equal(panels[p : p + step], expected[p : p + step])
+            _holds(groups[p : p + step], weight[p * block : (p + step) * block])
             for p in range(0, n // block, step)
         ):
-            return Panels(block, k_pad)
+            return Panels(block, k_pad, group)
+    return None
+
+
+def _holds(groups: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether panels [P][k_pad / group][block][group] hold weight [P * block, k] bit for bit, and
+    zeros past k (what a kernel reading whole groups multiplies by x's zeros). Compared as 32-bit
+    lanes, a group at a time: a transposed view, not a copy of the panels."""
+    count, lanes, block, group = groups.shape
+    k = weight.shape[1]
+    whole = k // group  # lanes of k values only; with k odd in bfloat16, one more holds k - 1
+    words = groups.view(torch.int32)[..., 0]  # [P][lanes][block]
+    if whole:
+        plain = weight[:, : whole * group].contiguous().view(torch.int32)  # [P * block, whole]
+        if not torch.equal(words[:, :whole], plain.view(count, block, whole).transpose(1, 2)):
+            return False
+    rest = words[:, whole:].reshape(-1)
+    if k % group:  # the lane of k - 1 and a zero
+        last = groups[:, whole].reshape(-1).view(torch.int16).view(-1, 2)  # [P * block][2]
+        if not torch.equal(last[:, 0], weight[:, k - 1].contiguous().view(torch.int16)):
+            return False
+        rest = torch.cat([last[:, 1], words[:, whole + 1 :].reshape(-1).view(torch.int16)])
+    return not rest.any()
+
+
+def onednn_sum_blocks(packed: torch.Tensor, panels: Panels) -> int | None:
+    """The blocks of k (Panels.k_block) in which oneDNN sums a bfloat16 weight's products for
+    many rows, found by running both on the same random rows: the one block size whose 4-row
+    linear_panels results equal oneDNN's to the bit, so that a row's result does not depend on
+    which kernel its batch ran (a prompt answered from the prefix cache gets the greedy tokens it
+    got computed whole); None if none does, and oneDNN keeps every row count."""
+    try:
+        load_cpu_kernels()
+    except KernelBuildError:
+        return None
+    n, k = packed.shape
+    low, high = _PROBE_ROWS
+    rows = max(low, min(high, -(-_PROBE_OUTPUTS // n)))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0)).to(packed.dtype)
+    many = onednn_linear(x, packed, None)
+    linear_panels = torch.ops.radixserve.linear_panels.default
+    for k_block in _K_BLOCKS:
+        if k_block >= panels.k_pad:
+            continue  # the same as 0, tried last
+        got = torch.cat(
+            [
+                linear_panels(x[i : i + 4], packed, n, panels.k_pad, panels.block, k_block, None)
+                for i in range(0, rows, 4)
+            ]
+        )
+        if torch.equal(got, many):
+            return k_block
     return None

@@ -22,7 +22,7 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias);
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_pad,
-                         int64_t block, const c10::optional<at::Tensor>& bias);
+                         int64_t block, int64_t k_block, const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
                        const c10::optional<at::Tensor>& bias);

@@ -14,8 +14,8 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
-      "linear_panels(Tensor x, Tensor packed, int n, int k_pad, int block, Tensor? bias) -> "
-      "Tensor");
+      "linear_panels(Tensor x, Tensor packed, int n, int k_pad, int block, int k_block, "
+      "Tensor? bias) -> Tensor");
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) -> Tensor");
