@@ -64,6 +64,7 @@ class Linear : public torch::CustomClassHolder {
     TORCH_CHECK(kind_ != Kind::kPacked || small_rows_ == 0 ||
                     (panel_block_ > 0 && small_rows_ <= kMaxPanelRows + 1),
                 "Linear: linear_panels takes panels and at most ", kMaxPanelRows, " rows");
+    if (kind_ == Kind::kPacked && small_rows_ > 0) panels_ = panel_weight(weight_);
   }
 
   at::Tensor forward(const at::Tensor& x) const {
@@ -73,8 +74,8 @@ class Linear : public torch::CustomClassHolder {
       case Kind::kDense:
         return small ? linear_small_m(x, weight_, bias_) : at::linear(x, weight_, bias_);
       case Kind::kPacked:
-        return small ? linear_panels(x, weight_, weight_.size(0), panel_k_pad_, panel_block_,
-                                     panel_k_block_, bias_)
+        return small ? linear_panels_on(x, panels_, panel_k_pad_, panel_block_, panel_k_block_,
+                                        bias_)
                      : onednn_linear(x, weight_, bias_);
       case Kind::kInt8: {
         return small ? int8_linear(x, weight_, aux_, bias_) : int8_gemm(x, weight_, aux_, bias_);
@@ -89,6 +90,7 @@ class Linear : public torch::CustomClassHolder {
   at::Tensor weight_, aux_;
   c10::optional<at::Tensor> bias_;
   int64_t small_rows_, panel_block_, panel_k_pad_, panel_k_block_;
+  PanelWeight panels_{};  // weight_'s buffer, where linear_panels reads it
 };
 
 class DecoderLayers : public torch::CustomClassHolder {

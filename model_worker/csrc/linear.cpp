@@ -209,15 +209,30 @@ c10::OperatorHandle mkldnn_op(const char* name) {
 
 }  // namespace
 
+PanelWeight panel_weight(const at::Tensor& packed) {
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2,
+              "linear_panels: a weight [N, K] reordered by oneDNN");
+  static const c10::OperatorHandle nbytes = mkldnn_op("mkldnn::_nbytes");
+  static const c10::OperatorHandle data_ptr = mkldnn_op("mkldnn::data_ptr");
+  return {reinterpret_cast<const void*>(mkldnn_query(data_ptr, packed)),
+          mkldnn_query(nbytes, packed), packed.scalar_type(), packed.size(0), packed.size(1)};
+}
+
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_pad,
                          int64_t block, int64_t k_block, const c10::optional<at::Tensor>& bias) {
-  const at::ScalarType dtype = packed.scalar_type();
+  const PanelWeight weight = panel_weight(packed);
+  TORCH_CHECK(weight.n == n, "linear_panels: the weight has ", weight.n, " outputs, not ", n);
+  return linear_panels_on(x, weight, k_pad, block, k_block, bias);
+}
+
+at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int64_t k_pad,
+                            int64_t block, int64_t k_block, const c10::optional<at::Tensor>& bias) {
+  const at::ScalarType dtype = weight.dtype;
+  const int64_t n = weight.n;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dtype &&
-                  (dtype == at::kFloat || dtype == at::kBFloat16),
-              "linear_panels: contiguous x [M, K] of the weight's dtype, float32 or bfloat16");
-  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2 && packed.size(0) == n &&
-                  packed.size(1) == x.size(1),
-              "linear_panels: a weight [N, K] reordered by oneDNN");
+                  (dtype == at::kFloat || dtype == at::kBFloat16) && x.size(1) == weight.k,
+              "linear_panels: contiguous x [M, K] of the weight's K and dtype, float32 or "
+              "bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M >= 1 && M <= kMaxPanelRows, "linear_panels: 1 to ", kMaxPanelRows, " rows");
   // bfloat16 panels hold k in pairs: k_pad even
@@ -227,17 +242,14 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t 
   // float32 sums k in its own order (one block); bfloat16 in blocks of pairs
   TORCH_CHECK(k_block >= 0 && (dtype == at::kFloat ? k_block == 0 : k_block % 2 == 0),
               "linear_panels: k_block ", k_block, " for ", dtype);
-  static const c10::OperatorHandle nbytes = mkldnn_op("mkldnn::_nbytes");
-  static const c10::OperatorHandle data_ptr = mkldnn_op("mkldnn::data_ptr");
-  TORCH_CHECK(n * k_pad * static_cast<int64_t>(packed.element_size()) <=
-                  mkldnn_query(nbytes, packed),
+  TORCH_CHECK(n * k_pad * static_cast<int64_t>(c10::elementSize(dtype)) <= weight.nbytes,
               "linear_panels: the packed weight is smaller than its panels");
   if (bias.has_value()) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == dtype,
                 "linear_panels: bias shape or dtype");
   }
   at::Tensor y = at::empty({M, n}, x.options());
-  const void* wp = reinterpret_cast<const void*>(mkldnn_query(data_ptr, packed));
+  const void* wp = weight.data;
   if (dtype == at::kBFloat16) {
 #if defined(__AVX512BF16__)
     // x in pairs of k as 32-bit lanes, zero past K (the weight's padding is zero too)
