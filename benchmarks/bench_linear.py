@@ -28,6 +28,7 @@ one copy again and again.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -151,7 +152,6 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     wanted = set(args.kernels.split(","))
     gen = torch.Generator().manual_seed(0)
-    read = WeightRead(READ_BUFFER_MB)
     print(
         f"{args.dtype}, threads {torch.get_num_threads()}, best of {args.rounds} rounds, weights "
         f"{'cycled through ' + str(args.cold_mb) + ' MB' if args.cold_mb else 'in one copy'}; ms\n"
@@ -163,16 +163,18 @@ def main() -> None:
         for name, (k, n) in SHAPES[model].items():
             nbytes = n * k * dtype.itemsize
             copies = max(1, -(-args.cold_mb * 2**20 // nbytes))
-            weights = [
-                (torch.randn(n, k, generator=gen, dtype=dtype) * 0.05) for _ in range(copies)
-            ]
-            packs = [PackedWeight(w) for w in weights]
-            if not wanted & set(PLAIN_KERNELS):
-                weights = []  # one copy in memory, as a model keeps it
+            weights, packs = [], []
+            for _ in range(copies):  # without plain kernels, no plain copy kept (an 8B LM head)
+                weight = torch.randn(n, k, generator=gen, dtype=dtype).mul_(0.05)
+                packs.append(PackedWeight(weight))
+                if wanted & set(PLAIN_KERNELS):
+                    weights.append(weight)
+                del weight
+            read = WeightRead(READ_BUFFER_MB)  # after the plain weights went
             for m in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 kernels = layer_kernels(x, Copies(weights, packs), wanted)
-                kernels["floor"] = lambda nbytes=nbytes: read(nbytes)
+                kernels["floor"] = functools.partial(read, nbytes)
                 best = time_kernels(kernels, 2 * m * n * k, args.rounds)
                 floor = best["floor"]
                 cells = [f"{best[kn] * 1e3:.3f}" if kn in best else "-" for kn in shown]
@@ -184,7 +186,8 @@ def main() -> None:
                     f"| {model} | {name} | {m} | " + " | ".join(cells) + f" | {floor * 1e3:.3f}"
                     f" | {packed / floor:.2f} | {ratio} |"
                 )
-            del weights, packs
+                del kernels  # they hold the copies
+            del weights, packs, read
 
 
 if __name__ == "__main__":
