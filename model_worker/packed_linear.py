@@ -16,7 +16,6 @@ of k pairs ([N / block][K padded / 2][block][2], the operand of vdpbf16ps); wher
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,7 +36,6 @@ _PACK_ROWS_HINT = 64
 
 # Output channels per panel that linear_panels reads (the widths its kernel is compiled for).
 _PANEL_BLOCKS = (64, 32, 16)
-_CHECK_ELEMENTS = 1 << 22  # compared at a time: the comparison's temporaries stay small
 # Blocks of k that oneDNN's bfloat16 matmul sums products in, each from zero and then added to the
 # total, tried in this order: on the EPYC here (avx512_core_bf16) 512 for K up to 1024 and 1024
 # above, for 8 rows and more; 0 is all K in one block.
@@ -95,49 +93,24 @@ def _panels_kernel(dtype: torch.dtype) -> bool:
 
 def find_panels(weight: torch.Tensor, packed: torch.Tensor) -> Panels | None:
     """The panels `packed` holds `weight` [N, K] in, if it does (oneDNN's choice depends on the
-    CPU, the shape and the dtype): checked against the weight's every value, and the padding
-    past K as zeros, so linear_panels reads only a layout proven to be this one."""
-    n, k = weight.shape
-    group = 4 // weight.element_size()  # k values of a channel in one 32-bit lane
-    nbytes = int(torch.ops.mkldnn._nbytes(packed))
-    if nbytes % weight.element_size():
+    CPU, the shape and the dtype): checked against the weight's every value bit for bit, and the
+    padding past K as zeros (the extension's panels_hold, at memory speed), so linear_panels
+    reads only a layout proven to be this one. None without the extension, which reads them."""
+    try:
+        load_cpu_kernels()
+    except KernelBuildError:
         return None
-    buffer = (ctypes.c_char * nbytes).from_address(int(torch.ops.mkldnn.data_ptr(packed)))
-    data = torch.frombuffer(buffer, dtype=weight.dtype)
+    n, _ = weight.shape
+    size = weight.element_size()
+    nbytes = int(torch.ops.mkldnn._nbytes(packed))
+    k_pad, rest = divmod(nbytes // size, n)
+    if nbytes % size or rest:
+        return None
+    weight = weight.contiguous()
     for block in _PANEL_BLOCKS:
-        k_pad, rest = divmod(data.numel(), n)
-        if n % block or rest or k_pad < k or k_pad % group:
-            continue
-        # panel p, k-group g, lane j, element i holds weight[p * block + j, g * group + i]
-        groups = data.view(n // block, k_pad // group, block, group)
-        step = max(1, _CHECK_ELEMENTS // (block * k_pad))  # panels compared at a time
-        if all(
-            _holds(groups[p : p + step], weight[p * block : (p + step) * block])
-            for p in range(0, n // block, step)
-        ):
-            return Panels(block, k_pad, group)
+        if torch.ops.radixserve.panels_hold(packed, weight, block, k_pad):
+            return Panels(block, k_pad, 4 // size)
     return None
-
-
-def _holds(groups: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether panels [P][k_pad / group][block][group] hold weight [P * block, k] bit for bit, and
-    zeros past k (what a kernel reading whole groups multiplies by x's zeros). Compared as 32-bit
-    lanes, a group at a time: a transposed view, not a copy of the panels."""
-    count, lanes, block, group = groups.shape
-    k = weight.shape[1]
-    whole = k // group  # lanes of k values only; with k odd in bfloat16, one more holds k - 1
-    words = groups.view(torch.int32)[..., 0]  # [P][lanes][block]
-    if whole:
-        plain = weight[:, : whole * group].contiguous().view(torch.int32)  # [P * block, whole]
-        if not torch.equal(words[:, :whole], plain.view(count, block, whole).transpose(1, 2)):
-            return False
-    rest = words[:, whole:].reshape(-1)
-    if k % group:  # the lane of k - 1 and a zero
-        last = groups[:, whole].reshape(-1).view(torch.int16).view(-1, 2)  # [P * block][2]
-        if not torch.equal(last[:, 0], weight[:, k - 1].contiguous().view(torch.int16)):
-            return False
-        rest = torch.cat([last[:, 1], words[:, whole + 1 :].reshape(-1).view(torch.int16)])
-    return not rest.any()
 
 
 def onednn_sum_blocks(packed: torch.Tensor, panels: Panels) -> int | None:
@@ -145,7 +118,19 @@ def onednn_sum_blocks(packed: torch.Tensor, panels: Panels) -> int | None:
     many rows, found by running both on the same random rows: the one block size whose 4-row
     linear_panels results equal oneDNN's to the bit, so that a row's result does not depend on
     which kernel its batch ran (a prompt answered from the prefix cache gets the greedy tokens it
-    got computed whole); None if none does, and oneDNN keeps every row count."""
+    got computed whole); None if none does, and oneDNN keeps every row count. The order is that
+    of oneDNN's kernel for the shape (and the threads), not of the values: found once a shape."""
+    n, k = packed.shape
+    key = (n, k, packed.dtype, panels, torch.get_num_threads())
+    if key not in _SUM_BLOCKS:
+        _SUM_BLOCKS[key] = _probe_sum_blocks(packed, panels)
+    return _SUM_BLOCKS[key]
+
+
+_SUM_BLOCKS: dict[tuple[int, int, torch.dtype, Panels, int], int | None] = {}
+
+
+def _probe_sum_blocks(packed: torch.Tensor, panels: Panels) -> int | None:
     try:
         load_cpu_kernels()
     except KernelBuildError:

@@ -10,6 +10,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -284,6 +285,61 @@ at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int6
     default: linear_panels_block<64>(xp, fp, bp, yp, M, K, k_pad, n); break;
   }
   return y;
+}
+
+bool panels_hold(const at::Tensor& packed, const at::Tensor& weight, int64_t block,
+                 int64_t k_pad) {
+  const PanelWeight panels = panel_weight(packed);
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == panels.dtype &&
+                  weight.size(0) == panels.n && weight.size(1) == panels.k,
+              "panels_hold: a contiguous weight [N, K] of the packed one's shape and dtype");
+  const int64_t n = panels.n, k = panels.k, size = weight.element_size();
+  TORCH_CHECK(size == 2 || size == 4, "panels_hold: 16- or 32-bit elements");
+  const int64_t group = 4 / size;
+  if (block <= 0 || n % block != 0 || k_pad < k || k_pad % group != 0 ||
+      n * k_pad * size > panels.nbytes) {
+    return false;
+  }
+  // Lane l of channel j of panel p holds weight[p * block + j][l * group, l * group + group),
+  // zeros past k. Compared bit for bit a 32-bit lane at a time, 16 lanes (a cache line of a
+  // weight row) by a panel's channels at a time: rows K apart share cache sets, so a row's line
+  // is read whole at once, not a lane at a time across all the panel's lanes.
+  const auto* bytes = static_cast<const char*>(panels.data);
+  const auto* plain = static_cast<const char*>(weight.data_ptr());
+  const int64_t full = k / group, lanes = k_pad / group;  // lanes of k values only; all lanes
+  const auto word = [](const char* at) {
+    uint32_t w;
+    std::memcpy(&w, at, sizeof(w));  // a weight row of odd K in bfloat16 is 2-byte aligned
+    return w;
+  };
+  std::atomic<bool> same{true};
+  at::parallel_for(0, n / block, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end && same.load(std::memory_order_relaxed); ++p) {
+      const char* panel = bytes + p * lanes * block * 4;
+      const char* rows = plain + p * block * k * size;
+      uint32_t diff = 0;
+      for (int64_t l0 = 0; l0 < full; l0 += 16) {
+        const int64_t l1 = std::min(full, l0 + 16);
+        for (int64_t j = 0; j < block; ++j) {
+          for (int64_t l = l0; l < l1; ++l) {
+            diff |= word(panel + (l * block + j) * 4) ^ word(rows + (j * k + l * group) * size);
+          }
+        }
+      }
+      if (full < lanes && k % group != 0) {  // bfloat16, K odd: k - 1 and a zero
+        for (int64_t j = 0; j < block; ++j) {
+          uint16_t value;
+          std::memcpy(&value, rows + (j * k + k - 1) * size, sizeof(value));
+          diff |= word(panel + (full * block + j) * 4) ^ value;  // little-endian: low half
+        }
+      }
+      for (int64_t l = full + (k % group != 0 ? 1 : 0); l < lanes; ++l) {
+        for (int64_t j = 0; j < block; ++j) diff |= word(panel + (l * block + j) * 4);
+      }
+      if (diff != 0) same = false;
+    }
+  });
+  return same.load();
 }
 
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,

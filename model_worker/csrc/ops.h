@@ -33,6 +33,9 @@ struct PanelWeight {
   int64_t n, k;
 };
 PanelWeight panel_weight(const at::Tensor& packed);
+// Whether `packed` holds `weight` as linear_panels reads it: panels of `block` channels of
+// [k_pad / group][block][group] (group: 1 for float32, 2 for bfloat16), zeros past K.
+bool panels_hold(const at::Tensor& packed, const at::Tensor& weight, int64_t block, int64_t k_pad);
 at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int64_t k_pad,
                             int64_t block, int64_t k_block, const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
