@@ -36,6 +36,7 @@ CATEGORIES = {
         "aten::addmm",
         "aten::mm",
         "radixserve::linear_small_m",
+        "radixserve::linear_panels",
         "mkldnn::_linear_pointwise",
         "quantized::linear",
         "radixserve::int8_linear",

@@ -35,3 +35,9 @@ def has_avx512_vnni() -> bool:
 def has_amx_int8() -> bool:
     """AMX's int8 tile multiplies, which oneDNN's int8 matmul runs on."""
     return "amx_int8" in cpu_flags()
+
+
+def has_avx512_bf16() -> bool:
+    """vdpbf16ps, the bfloat16 pair dot product the extension's linear_panels runs on (its
+    build for this CPU has it exactly when the CPU reports it: -march=native)."""
+    return "avx512_bf16" in cpu_flags()

@@ -37,12 +37,12 @@ def linear_kernel(
     small_rows = small_kernel_rows(weight)
     if isinstance(weight, Int8Weight):
         if weight.vnni:  # one kernel for every row count
-            return linear("int8_vnni", weight.q, weight.scale, bias, 0, 0, 0)
-        return linear("int8", weight.q, weight.scale, bias, small_rows, 0, 0)
+            return linear("int8_vnni", weight.q, weight.scale, bias, 0, 0, 0, 0)
+        return linear("int8", weight.q, weight.scale, bias, small_rows, 0, 0, 0)
     if isinstance(weight, PackedWeight):
-        panels = weight.panels or Panels(0, 0)
-        return linear("packed", weight.packed, None, bias, small_rows, panels.block, panels.k_pad)
-    return linear("dense", weight, None, bias, small_rows, 0, 0)
+        p = weight.panels or Panels(0, 0)
+        return linear("packed", weight.packed, None, bias, small_rows, p.block, p.k_pad, p.k_block)
+    return linear("dense", weight, None, bias, small_rows, 0, 0, 0)
 
 
 class FusedDecoderLayers:

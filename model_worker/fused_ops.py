@@ -19,8 +19,9 @@ from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat
 
 # Rows up to which linear_small_m beats BLAS here (the extension's kMaxSmallM).
 SMALL_M = 8
-# Rows up to which linear_panels beats oneDNN on the same float32 weight (benchmarks/RESULTS.md,
-# "An 8B model in 24 GiB: memory"); at most the extension's kMaxPanelRows.
+# Rows up to which linear_panels beats oneDNN on the same float32 or bfloat16 weight
+# (benchmarks/RESULTS.md, "An 8B model in 24 GiB: memory" and "bfloat16 at one row"); at most the
+# extension's kMaxPanelRows.
 PANEL_ROWS = 4
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -109,8 +110,8 @@ class CpuKernelOps(TorchOps):
             if small:
                 assert weight.panels is not None
                 n, _ = weight.shape
-                block, k_pad = weight.panels.block, weight.panels.k_pad
-                return self._linear_panels(x, weight.packed, n, k_pad, block, bias)
+                p = weight.panels
+                return self._linear_panels(x, weight.packed, n, p.k_pad, p.block, p.k_block, bias)
             return weight.matmul(x, bias)
         if not isinstance(weight, torch.Tensor):
             return weight.matmul(x, bias)
@@ -134,12 +135,12 @@ def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
     if isinstance(weight, Int8Weight):
         return int8_small_rows()
     if isinstance(weight, PackedWeight):
-        # float32 in oneDNN's panels: linear_panels reads them for a few rows. Otherwise (bfloat16,
-        # or a layout it does not read) oneDNN at every row count: the plain weight that
-        # linear_small_m reads is not kept (packed_linear.py). In bfloat16 this also keeps a row's
-        # result the same whatever the batch, so a prompt answered from the prefix cache gets the
-        # greedy tokens it got computed whole (another kernel sums in another order, which bf16
-        # rounding shows).
+        # In oneDNN's panels (float32; bfloat16 on AVX512-BF16) linear_panels reads them for a
+        # few rows. Otherwise (a layout it does not read) oneDNN at every row count: the plain
+        # weight that linear_small_m reads is not kept (packed_linear.py). In bfloat16 it sums
+        # in oneDNN's order for many rows (Panels.k_block), so a row's result is the same to the
+        # bit in a decode as in a prefill, and a prompt answered from the prefix cache gets the
+        # greedy tokens it got computed whole.
         return PANEL_ROWS + 1 if weight.panels is not None else 0
     return SMALL_M + 1
 

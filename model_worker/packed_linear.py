@@ -8,16 +8,20 @@ kept: an 8B model's two copies would not fit in 24 GiB.
 
 For one or two rows oneDNN's fixed cost per call outweighs a small layer's matmul: float32 ran
 ~2x faster there in the extension's linear_small_m on a plain copy. oneDNN lays float32 out in
-panels of output channels ([N / block][K padded][block]); where it did that, `panels` says so and
-the extension's linear_panels reads the same copy for a few rows (fused_ops.PANEL_ROWS).
+panels of output channels ([N / block][K padded][block]), and bfloat16 on AVX512-BF16 in panels
+of k pairs ([N / block][K padded / 2][block][2], the operand of vdpbf16ps); where it did that,
+`panels` says so and the extension's linear_panels reads the same copy for a few rows
+(fused_ops.PANEL_ROWS).
 """
 
 from __future__ import annotations
 
-import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from radixserve.model_worker.cpu_features import has_avx512_bf16
+from radixserve.model_worker.cpu_kernels import KernelBuildError, load_cpu_kernels
 
 
 def onednn_packing_available() -> bool:
@@ -32,15 +36,25 @@ _PACK_ROWS_HINT = 64
 
 # Output channels per panel that linear_panels reads (the widths its kernel is compiled for).
 _PANEL_BLOCKS = (64, 32, 16)
-_CHECK_ELEMENTS = 1 << 22  # compared at a time: the comparison's temporaries stay small
+# Blocks of k that oneDNN's bfloat16 matmul sums products in, each from zero and then added to the
+# total, tried in this order: on the EPYC here (avx512_core_bf16) 512 for K up to 1024 and 1024
+# above, for 8 rows and more; 0 is all K in one block.
+_K_BLOCKS = (512, 1024, 256, 2048, 0)
+_PROBE_OUTPUTS = 1 << 16  # compared by onednn_sum_blocks: a wrong block shows in ~1 in 10^4
+_PROBE_ROWS = (8, 64)  # oneDNN sums 8 rows and more in one order (7 at the least)
 
 
 @dataclass(frozen=True)
 class Panels:
-    """A float32 weight [N, K] laid out as N / block panels of [k_pad][block], back to back."""
+    """A weight [N, K] laid out as N / block panels of [k_pad / group][block][group], back to
+    back: `group` consecutive k of one output channel side by side (1 in float32, 2 in
+    bfloat16: one 32-bit lane). linear_panels sums bfloat16 products over blocks of `k_block`
+    k (0: all K in one), as oneDNN does for many rows (`onednn_sum_blocks`)."""
 
     block: int
     k_pad: int
+    group: int = 1
+    k_block: int = 0
 
 
 class PackedWeight:
@@ -51,7 +65,11 @@ class PackedWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
         self.shape = tuple(weight.shape)
         self.dtype = weight.dtype
-        self.panels = find_panels(weight, self.packed) if weight.dtype == torch.float32 else None
+        panels = find_panels(weight, self.packed) if _panels_kernel(weight.dtype) else None
+        if panels is not None and weight.dtype == torch.bfloat16:
+            k_block = onednn_sum_blocks(self.packed, panels)
+            panels = None if k_block is None else replace(panels, k_block=k_block)
+        self.panels = panels
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] -> x W^T + bias [M, N], in the weight's dtype."""
@@ -68,27 +86,70 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _panels_kernel(dtype: torch.dtype) -> bool:
+    """Whether linear_panels computes this dtype on this CPU (bfloat16: with vdpbf16ps)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and has_avx512_bf16())
+
+
 def find_panels(weight: torch.Tensor, packed: torch.Tensor) -> Panels | None:
     """The panels `packed` holds `weight` [N, K] in, if it does (oneDNN's choice depends on the
-    CPU and the shape): checked against the weight's every value, so linear_panels reads only a
-    layout proven to be this one."""
-    n, k = weight.shape
-    nbytes = int(torch.ops.mkldnn._nbytes(packed))
-    if nbytes % weight.element_size():
+    CPU, the shape and the dtype): checked against the weight's every value bit for bit, and the
+    padding past K as zeros (the extension's panels_hold, at memory speed), so linear_panels
+    reads only a layout proven to be this one. None without the extension, which reads them."""
+    try:
+        load_cpu_kernels()
+    except KernelBuildError:
         return None
-    buffer = (ctypes.c_char * nbytes).from_address(int(torch.ops.mkldnn.data_ptr(packed)))
-    data = torch.frombuffer(buffer, dtype=torch.float32)
+    n, _ = weight.shape
+    size = weight.element_size()
+    nbytes = int(torch.ops.mkldnn._nbytes(packed))
+    k_pad, rest = divmod(nbytes // size, n)
+    if nbytes % size or rest:
+        return None
+    weight = weight.contiguous()
     for block in _PANEL_BLOCKS:
-        k_pad, rest = divmod(data.numel(), n)
-        if n % block or rest or k_pad < k:
-            continue
-        # panel p, row kk, lane j holds weight[p * block + j, kk]
-        panels = data.view(n // block, k_pad, block)[:, :k]
-        expected = weight.reshape(n // block, block, k).transpose(1, 2)
-        step = max(1, _CHECK_ELEMENTS // (block * k))  # panels compared at a time
-        if all(
-            torch.equal(panels[p : p + step], expected[p : p + step])
-            for p in range(0, n // block, step)
-        ):
-            return Panels(block, k_pad)
+        if torch.ops.radixserve.panels_hold(packed, weight, block, k_pad):
+            return Panels(block, k_pad, 4 // size)
+    return None
+
+
+def onednn_sum_blocks(packed: torch.Tensor, panels: Panels) -> int | None:
+    """The blocks of k (Panels.k_block) in which oneDNN sums a bfloat16 weight's products for
+    many rows, found by running both on the same random rows: the one block size whose 4-row
+    linear_panels results equal oneDNN's to the bit, so that a row's result does not depend on
+    which kernel its batch ran (a prompt answered from the prefix cache gets the greedy tokens it
+    got computed whole); None if none does, and oneDNN keeps every row count. The order is that
+    of oneDNN's kernel for the shape (and the threads), not of the values: found once a shape."""
+    n, k = packed.shape
+    key = (n, k, packed.dtype, panels, torch.get_num_threads())
+    if key not in _SUM_BLOCKS:
+        _SUM_BLOCKS[key] = _probe_sum_blocks(packed, panels)
+    return _SUM_BLOCKS[key]
+
+
+_SUM_BLOCKS: dict[tuple[int, int, torch.dtype, Panels, int], int | None] = {}
+
+
+def _probe_sum_blocks(packed: torch.Tensor, panels: Panels) -> int | None:
+    try:
+        load_cpu_kernels()
+    except KernelBuildError:
+        return None
+    n, k = packed.shape
+    low, high = _PROBE_ROWS
+    rows = max(low, min(high, -(-_PROBE_OUTPUTS // n)))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(0)).to(packed.dtype)
+    many = onednn_linear(x, packed, None)
+    linear_panels = torch.ops.radixserve.linear_panels.default
+    for k_block in _K_BLOCKS:
+        if k_block >= panels.k_pad:
+            continue  # the same as 0, tried last
+        got = torch.cat(
+            [
+                linear_panels(x[i : i + 4], packed, n, panels.k_pad, panels.block, k_block, None)
+                for i in range(0, rows, 4)
+            ]
+        )
+        if torch.equal(got, many):
+            return k_block
     return None

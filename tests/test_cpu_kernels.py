@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_attention import make_batch, run_backend
 
-from radixserve.model_worker.cpu_features import has_native_bf16
+from radixserve.model_worker.cpu_features import has_avx512_bf16, has_native_bf16
 from radixserve.model_worker.fused_ops import PANEL_ROWS, SMALL_M, CpuKernelOps, TorchOps
 from radixserve.model_worker.kernel_selection import select_kernels
 from radixserve.model_worker.kv_pool import TokenToKVPool
@@ -144,30 +144,52 @@ def test_fused_ops_equal_torch(kernel_ops, rows: int) -> None:
         torch.testing.assert_close(kernel_ops.linear(x, packed, b), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_linear_panels_reads_the_float32_weight_onednn_keeps(kernel_ops) -> None:
-    """oneDNN keeps a float32 weight in panels of output channels (on AVX2 and AVX-512 alike);
-    PackedWeight finds them, checked value by value, and linear_panels on that one copy equals
-    torch's matmul for every row count it takes. A layout that is not the weight's is refused."""
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])
+def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
+    """oneDNN keeps a float32 weight in panels of output channels (on AVX2 and AVX-512 alike), and
+    a bfloat16 one on AVX512-BF16 in panels of k pairs; PackedWeight finds them, checked value by
+    value, and linear_panels on that one copy is the float64 product rounded once (float32 sums)
+    for every row count it takes, K odd and not a multiple of a vector; in bfloat16 it is also
+    oneDNN's result for those rows in a batch of many, to the bit (the blocks of k it sums in,
+    found at load). A layout that is not the weight's is refused; without AVX512-BF16, bfloat16
+    stays on oneDNN."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(192, 72, generator=gen)  # 3 panels of 64; K not a multiple of 16
-    bias = torch.randn(192, generator=gen)
+    n, k = 192, 71  # 3 panels of 64; K odd (bfloat16 pads the last pair)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
     packed = PackedWeight(weight)
-    assert packed.panels is not None
+    if dtype == BF16 and not has_avx512_bf16():
+        assert packed.panels is None
+        return
+    assert packed.panels is not None and packed.panels.group == 4 // weight.element_size()
     linear_panels = torch.ops.radixserve.linear_panels
     for rows in range(1, 5):
-        x = torch.randn(rows, 72, generator=gen)
+        x = torch.randn(rows, k, generator=gen).to(dtype)
         for b in (None, bias):
-            expected = torch.nn.functional.linear(x, weight, b)
-            got = linear_panels(x, packed.packed, 192, packed.panels.k_pad, packed.panels.block, b)
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+            p = packed.panels
+            got = linear_panels(x, packed.packed, n, p.k_pad, p.block, p.k_block, b)
+            assert got.dtype == dtype
+            products = x.double()[:, None, :] * weight.double()[None]
+            exact = products.sum(-1) + (0 if b is None else b.double())
+            # one rounding of the result, and float32 sums of k products (and the bias)
+            rounding = exact.abs() * (2.0**-8 if dtype == BF16 else 2.0**-23)
+            summing = (products.abs().sum(-1) + (0 if b is None else b.double().abs())) * k * 2**-24
+            assert ((got.double() - exact).abs() <= rounding + summing).all()
+            if dtype == BF16:  # the rows as a prefill of many computes them
+                many = packed.matmul(torch.cat([x, torch.randn(16, k).to(dtype)]), b)
+                assert torch.equal(got, many[:rows])
             if rows <= PANEL_ROWS:  # what the model runs for these rows
                 assert torch.equal(kernel_ops.linear(x, packed, b), got)
     with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        linear_panels(torch.randn(5, 72), packed.packed, 192, packed.panels.k_pad, 64, None)
+        linear_panels(
+            torch.randn(5, k).to(dtype), packed.packed, n, packed.panels.k_pad, 64, 0, None
+        )
     changed = weight.clone()
     changed[100, 7] += 1
     assert find_panels(changed, packed.packed) is None
-    assert PackedWeight(weight.to(BF16)).panels is None  # bfloat16: oneDNN at every row count
+    # the same values with k's pairs in the other order: bfloat16's layout is not float32's
+    swapped = weight[:, : k - 1].reshape(n, -1, 2).flip(-1).reshape(n, k - 1)
+    assert find_panels(swapped, PackedWeight(weight[:, : k - 1]).packed) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])
@@ -252,10 +274,10 @@ def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
     ran = {e.key for e in prof.key_averages()}
     for op in ("paged_attention", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
         assert f"radixserve::{op}" in ran
-    # The one-row LM head too: only the oneDNN copy of a weight is kept, which float32 reads in
-    # its panels for a few rows.
+    # The one-row LM head too: only the oneDNN copy of a weight is kept, which float32 (and
+    # bfloat16 on AVX512-BF16) reads in its panels for a few rows.
     assert "radixserve::linear_small_m" not in ran
-    assert ("radixserve::linear_panels" in ran) == (dtype == torch.float32)
+    assert ("radixserve::linear_panels" in ran) == (dtype == torch.float32 or has_avx512_bf16())
     assert "mkldnn::_linear_pointwise" in ran  # the prompt's projections
     assert "aten::scaled_dot_product_attention" not in ran
 

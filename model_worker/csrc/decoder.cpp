@@ -36,18 +36,19 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
 class Linear : public torch::CustomClassHolder {
  public:
   // kind "dense": `weight` float; "packed": `weight` reordered for oneDNN (no plain copy is
-  // kept), in float32 panels of `panel_block` channels by `panel_k_pad` where linear_panels reads
-  // it below `small_rows` (packed_linear.Panels; else 0 and oneDNN at every row count); "int8":
-  // `weight` int8 and `aux` its per-channel scales; "int8_vnni": likewise, `weight` in
-  // int8_vnni.cpp's layout, whose kernel takes every row count.
+  // kept), in panels of `panel_block` channels by `panel_k_pad`, summed in blocks of
+  // `panel_k_block`, where linear_panels reads it below `small_rows` (packed_linear.Panels; else
+  // 0 and oneDNN at every row count); "int8": `weight` int8 and `aux` its per-channel scales;
+  // "int8_vnni": likewise, `weight` in int8_vnni.cpp's layout, whose kernel takes every row count.
   Linear(const std::string& kind, at::Tensor weight, c10::optional<at::Tensor> aux,
          c10::optional<at::Tensor> bias, int64_t small_rows, int64_t panel_block,
-         int64_t panel_k_pad)
+         int64_t panel_k_pad, int64_t panel_k_block)
       : weight_(std::move(weight)),
         bias_(std::move(bias)),
         small_rows_(small_rows),
         panel_block_(panel_block),
-        panel_k_pad_(panel_k_pad) {
+        panel_k_pad_(panel_k_pad),
+        panel_k_block_(panel_k_block) {
     if (kind == "dense") {
       kind_ = Kind::kDense;
     } else if (kind == "packed") {
@@ -68,6 +69,7 @@ class Linear : public torch::CustomClassHolder {
     TORCH_CHECK(kind_ != Kind::kPacked || small_rows_ == 0 ||
                     (panel_block_ > 0 && small_rows_ <= kMaxPanelRows + 1),
                 "Linear: linear_panels takes panels and at most ", kMaxPanelRows, " rows");
+    if (kind_ == Kind::kPacked && small_rows_ > 0) panels_ = panel_weight(weight_);
   }
 
   // Whether a row's result depends on nothing but that row (int8's exact sums): then rows may go
@@ -83,7 +85,8 @@ class Linear : public torch::CustomClassHolder {
       case Kind::kDense:
         return small ? linear_small_m(x, weight_, bias_) : at::linear(x, weight_, bias_);
       case Kind::kPacked:
-        return small ? linear_panels(x, weight_, weight_.size(0), panel_k_pad_, panel_block_, bias_)
+        return small ? linear_panels_on(x, panels_, panel_k_pad_, panel_block_, panel_k_block_,
+                                        bias_)
                      : onednn_linear(x, weight_, bias_);
       case Kind::kInt8: {
         return small ? int8_linear(x, weight_, aux_, bias_) : int8_gemm(x, weight_, aux_, bias_);
@@ -99,7 +102,8 @@ class Linear : public torch::CustomClassHolder {
   Kind kind_ = Kind::kDense;
   at::Tensor weight_, aux_;
   c10::optional<at::Tensor> bias_;
-  int64_t small_rows_, panel_block_, panel_k_pad_;
+  int64_t small_rows_, panel_block_, panel_k_pad_, panel_k_block_;
+  PanelWeight panels_{};  // weight_'s buffer, where linear_panels reads it
 };
 
 class DecoderLayers : public torch::CustomClassHolder {
@@ -207,7 +211,7 @@ class DecoderLayers : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(radixserve, m) {
   m.class_<Linear>("Linear")
       .def(torch::init<const std::string&, at::Tensor, c10::optional<at::Tensor>,
-                       c10::optional<at::Tensor>, int64_t, int64_t, int64_t>());
+                       c10::optional<at::Tensor>, int64_t, int64_t, int64_t, int64_t>());
   m.class_<DecoderLayers>("DecoderLayers")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add_layer", &DecoderLayers::add_layer)

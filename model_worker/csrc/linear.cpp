@@ -5,6 +5,14 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -106,6 +114,88 @@ void linear_panels_block(const float* x, const float* panels, const float* bias,
   }
 }
 
+#if defined(__AVX512BF16__)
+// The same for bfloat16, which oneDNN lays out for vdpbf16ps: a panel is [k_pad / 2][Block][2],
+// each 32-bit lane a pair of consecutive k of one output channel. x comes as pairs as well
+// ([M][k_pad / 2], zero past K), one broadcast to every lane; each vdpbf16ps adds both products
+// of a pair to a lane's float32 sum (4 vectors a row hide its latency at memory speed). The
+// sums run over k in order, in blocks of `block_pairs` pairs, each block's sum from zero and then
+// added to the total: the order oneDNN's own kernel sums in, for the block size PackedWeight
+// found it to use on this weight (packed_linear.py), so that a row's result is oneDNN's to the
+// bit whatever the batch (0: one block). Each output is rounded to bfloat16 once, after the bias.
+template <int M, int Block>
+void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
+                            const at::BFloat16* bias, at::BFloat16* y, int64_t k_pairs,
+                            int64_t block_pairs, int64_t N, int64_t p_begin, int64_t p_end) {
+  constexpr int kVecs = Block / 16;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const at::BFloat16* panel = panels + p * k_pairs * 2 * Block;
+    __m512 total[M][kVecs];
+    for (int64_t k0 = 0; k0 < k_pairs; k0 += block_pairs) {
+      __m512 acc[M][kVecs];
+      for (int m = 0; m < M; ++m) {
+        for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_setzero_ps();
+      }
+      const int64_t k1 = std::min(k_pairs, k0 + block_pairs);
+      for (int64_t kp = k0; kp < k1; ++kp) {
+        const at::BFloat16* wk = panel + kp * 2 * Block;
+        __m512bh wv[kVecs];
+        for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
+        for (int m = 0; m < M; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pairs[m * k_pairs + kp]);
+          for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, wv[v]);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        for (int v = 0; v < kVecs; ++v) {
+          total[m][v] = k0 == 0 ? acc[m][v] : _mm512_add_ps(total[m][v], acc[m][v]);
+        }
+      }
+    }
+    const int64_t n0 = p * Block;
+    for (int m = 0; m < M; ++m) {
+      for (int v = 0; v < kVecs; ++v) {
+        __m512 out = total[m][v];
+        if (bias != nullptr) {  // bfloat16 is float32's upper half
+          const __m256i b =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0 + v * 16));
+          const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16);
+          out = _mm512_add_ps(out, _mm512_castsi512_ps(widened));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + n0 + v * 16),
+                            (__m256i)_mm512_cvtneps_pbh(out));
+      }
+    }
+  }
+}
+
+template <int M, int Block>
+void linear_bf16_panels_m(const uint32_t* x_pairs, const at::BFloat16* panels,
+                          const at::BFloat16* bias, at::BFloat16* y, int64_t k_pairs,
+                          int64_t block_pairs, int64_t N) {
+  at::parallel_for(0, N / Block, 1, [&](int64_t begin, int64_t end) {
+    rows_times_bf16_panels<M, Block>(x_pairs, panels, bias, y, k_pairs, block_pairs, N, begin,
+                                     end);
+  });
+}
+
+template <int Block>
+void linear_bf16_panels_block(const uint32_t* x_pairs, const at::BFloat16* panels,
+                              const at::BFloat16* bias, at::BFloat16* y, int64_t M,
+                              int64_t k_pairs, int64_t block_pairs, int64_t N) {
+  const auto run = [&](auto rows) {
+    linear_bf16_panels_m<decltype(rows)::value, Block>(x_pairs, panels, bias, y, k_pairs,
+                                                       block_pairs, N);
+  };
+  switch (M) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    default: run(std::integral_constant<int, 4>{}); break;
+  }
+}
+#endif
+
 // torch's op `name` (mkldnn::data_ptr, mkldnn::_nbytes) on a oneDNN tensor: where its data
 // starts, how many bytes it takes (no ATen accessor reaches an opaque tensor's data).
 int64_t mkldnn_query(const c10::OperatorHandle& op, const at::Tensor& t) {
@@ -120,37 +210,139 @@ c10::OperatorHandle mkldnn_op(const char* name) {
 
 }  // namespace
 
-at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_pad,
-                         int64_t block, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
-              "linear_panels: contiguous float32 x [M, K]");
-  TORCH_CHECK(packed.is_mkldnn() && packed.scalar_type() == at::kFloat && packed.dim() == 2 &&
-                  packed.size(0) == n && packed.size(1) == x.size(1),
-              "linear_panels: a float32 weight [N, K] reordered by oneDNN");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= kMaxPanelRows, "linear_panels: 1 to ", kMaxPanelRows, " rows");
-  TORCH_CHECK((block == 16 || block == 32 || block == 64) && block % kLanes == 0 &&
-                  n % block == 0 && k_pad >= K,
-              "linear_panels: panels of ", block, " channels, N ", n, ", K ", K, " of ", k_pad);
+PanelWeight panel_weight(const at::Tensor& packed) {
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2,
+              "linear_panels: a weight [N, K] reordered by oneDNN");
   static const c10::OperatorHandle nbytes = mkldnn_op("mkldnn::_nbytes");
   static const c10::OperatorHandle data_ptr = mkldnn_op("mkldnn::data_ptr");
-  TORCH_CHECK(n * k_pad * static_cast<int64_t>(sizeof(float)) <= mkldnn_query(nbytes, packed),
+  return {reinterpret_cast<const void*>(mkldnn_query(data_ptr, packed)),
+          mkldnn_query(nbytes, packed), packed.scalar_type(), packed.size(0), packed.size(1)};
+}
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_pad,
+                         int64_t block, int64_t k_block, const c10::optional<at::Tensor>& bias) {
+  const PanelWeight weight = panel_weight(packed);
+  TORCH_CHECK(weight.n == n, "linear_panels: the weight has ", weight.n, " outputs, not ", n);
+  return linear_panels_on(x, weight, k_pad, block, k_block, bias);
+}
+
+at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int64_t k_pad,
+                            int64_t block, int64_t k_block, const c10::optional<at::Tensor>& bias) {
+  const at::ScalarType dtype = weight.dtype;
+  const int64_t n = weight.n;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16) && x.size(1) == weight.k,
+              "linear_panels: contiguous x [M, K] of the weight's K and dtype, float32 or "
+              "bfloat16");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M >= 1 && M <= kMaxPanelRows, "linear_panels: 1 to ", kMaxPanelRows, " rows");
+  // bfloat16 panels hold k in pairs: k_pad even
+  TORCH_CHECK((block == 16 || block == 32 || block == 64) && block % kLanes == 0 &&
+                  n % block == 0 && k_pad >= K && (dtype == at::kFloat || k_pad % 2 == 0),
+              "linear_panels: panels of ", block, " channels, N ", n, ", K ", K, " of ", k_pad);
+  // float32 sums k in its own order (one block); bfloat16 in blocks of pairs
+  TORCH_CHECK(k_block >= 0 && (dtype == at::kFloat ? k_block == 0 : k_block % 2 == 0),
+              "linear_panels: k_block ", k_block, " for ", dtype);
+  TORCH_CHECK(n * k_pad * static_cast<int64_t>(c10::elementSize(dtype)) <= weight.nbytes,
               "linear_panels: the packed weight is smaller than its panels");
   if (bias.has_value()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat,
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == dtype,
                 "linear_panels: bias shape or dtype");
   }
   at::Tensor y = at::empty({M, n}, x.options());
+  const void* wp = weight.data;
+  if (dtype == at::kBFloat16) {
+#if defined(__AVX512BF16__)
+    // x in pairs of k as 32-bit lanes, zero past K (the weight's padding is zero too)
+    const int64_t k_pairs = k_pad / 2;
+    const int64_t block_pairs = k_block == 0 ? k_pairs : k_block / 2;
+    std::vector<uint32_t> x_pairs(M * k_pairs, 0);
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(x_pairs.data() + m * k_pairs, x.data_ptr<at::BFloat16>() + m * K,
+                  K * sizeof(at::BFloat16));
+    }
+    const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+    const auto* panels = static_cast<const at::BFloat16*>(wp);
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    const uint32_t* xs = x_pairs.data();
+    switch (block) {
+      case 16: linear_bf16_panels_block<16>(xs, panels, bp, yp, M, k_pairs, block_pairs, n); break;
+      case 32: linear_bf16_panels_block<32>(xs, panels, bp, yp, M, k_pairs, block_pairs, n); break;
+      default: linear_bf16_panels_block<64>(xs, panels, bp, yp, M, k_pairs, block_pairs, n); break;
+    }
+    return y;
+#else
+    TORCH_CHECK(false, "linear_panels: bfloat16 needs AVX512-BF16, which this build lacks");
+#endif
+  }
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
-  const float* wp = reinterpret_cast<const float*>(mkldnn_query(data_ptr, packed));
+  const auto* fp = static_cast<const float*>(wp);
   float* yp = y.data_ptr<float>();
   switch (block) {
-    case 16: linear_panels_block<16>(xp, wp, bp, yp, M, K, k_pad, n); break;
-    case 32: linear_panels_block<32>(xp, wp, bp, yp, M, K, k_pad, n); break;
-    default: linear_panels_block<64>(xp, wp, bp, yp, M, K, k_pad, n); break;
+    case 16: linear_panels_block<16>(xp, fp, bp, yp, M, K, k_pad, n); break;
+    case 32: linear_panels_block<32>(xp, fp, bp, yp, M, K, k_pad, n); break;
+    default: linear_panels_block<64>(xp, fp, bp, yp, M, K, k_pad, n); break;
   }
   return y;
+}
+
+bool panels_hold(const at::Tensor& packed, const at::Tensor& weight, int64_t block,
+                 int64_t k_pad) {
+  const PanelWeight panels = panel_weight(packed);
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == panels.dtype &&
+                  weight.size(0) == panels.n && weight.size(1) == panels.k,
+              "panels_hold: a contiguous weight [N, K] of the packed one's shape and dtype");
+  const int64_t n = panels.n, k = panels.k, size = weight.element_size();
+  TORCH_CHECK(size == 2 || size == 4, "panels_hold: 16- or 32-bit elements");
+  const int64_t group = 4 / size;
+  if (block <= 0 || n % block != 0 || k_pad < k || k_pad % group != 0 ||
+      n * k_pad * size > panels.nbytes) {
+    return false;
+  }
+  // Lane l of channel j of panel p holds weight[p * block + j][l * group, l * group + group),
+  // zeros past k. Compared bit for bit a 32-bit lane at a time, 16 lanes (a cache line of a
+  // weight row) by a panel's channels at a time: rows K apart share cache sets, so a row's line
+  // is read whole at once, not a lane at a time across all the panel's lanes.
+  const auto* bytes = static_cast<const char*>(panels.data);
+  const auto* plain = static_cast<const char*>(weight.data_ptr());
+  const int64_t full = k / group, lanes = k_pad / group;  // lanes of k values only; all lanes
+  const auto word = [](const char* at) {
+    uint32_t w;
+    std::memcpy(&w, at, sizeof(w));  // a weight row of odd K in bfloat16 is 2-byte aligned
+    return w;
+  };
+  std::atomic<bool> same{true};
+  at::parallel_for(0, n / block, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end && same.load(std::memory_order_relaxed); ++p) {
+      const char* panel = bytes + p * lanes * block * 4;
+      const char* rows = plain + p * block * k * size;
+      uint32_t diff = 0;
+      for (int64_t l0 = 0; l0 < full; l0 += 16) {
+        const int64_t l1 = std::min(full, l0 + 16);
+        for (int64_t j = 0; j < block; ++j) {
+          // a panel's rows are more streams than the hardware prefetcher follows: the next
+          // tile's line of each, by hand (a hint: past the row's end it fetches nothing wrong)
+          __builtin_prefetch(rows + (j * k + (l0 + 32) * group) * size);
+          for (int64_t l = l0; l < l1; ++l) {
+            diff |= word(panel + (l * block + j) * 4) ^ word(rows + (j * k + l * group) * size);
+          }
+        }
+      }
+      if (full < lanes && k % group != 0) {  // bfloat16, K odd: k - 1 and a zero
+        for (int64_t j = 0; j < block; ++j) {
+          uint16_t value;
+          std::memcpy(&value, rows + (j * k + k - 1) * size, sizeof(value));
+          diff |= word(panel + (full * block + j) * 4) ^ value;  // little-endian: low half
+        }
+      }
+      for (int64_t l = full + (k % group != 0 ? 1 : 0); l < lanes; ++l) {
+        for (int64_t j = 0; j < block; ++j) diff |= word(panel + (l * block + j) * 4);
+      }
+      if (diff != 0) same = false;
+    }
+  });
+  return same.load();
 }
 
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,

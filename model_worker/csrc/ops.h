@@ -22,7 +22,22 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias);
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k_pad,
-                         int64_t block, const c10::optional<at::Tensor>& bias);
+                         int64_t block, int64_t k_block, const c10::optional<at::Tensor>& bias);
+// A oneDNN tensor's buffer, looked up once: torch answers where it starts only through its
+// dispatcher (two boxed calls), which linear_panels asks on every call and the fused layers'
+// Linear once at load. Valid while the tensor lives.
+struct PanelWeight {
+  const void* data;
+  int64_t nbytes;
+  at::ScalarType dtype;
+  int64_t n, k;
+};
+PanelWeight panel_weight(const at::Tensor& packed);
+// Whether `packed` holds `weight` as linear_panels reads it: panels of `block` channels of
+// [k_pad / group][block][group] (group: 1 for float32, 2 for bfloat16), zeros past K.
+bool panels_hold(const at::Tensor& packed, const at::Tensor& weight, int64_t block, int64_t k_pad);
+at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int64_t k_pad,
+                            int64_t block, int64_t k_block, const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> quantize_weight_rows(const at::Tensor& rows);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,

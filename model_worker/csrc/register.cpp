@@ -14,8 +14,9 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
-      "linear_panels(Tensor x, Tensor packed, int n, int k_pad, int block, Tensor? bias) -> "
-      "Tensor");
+      "linear_panels(Tensor x, Tensor packed, int n, int k_pad, int block, int k_block, "
+      "Tensor? bias) -> Tensor");
+  m.def("panels_hold(Tensor packed, Tensor weight, int block, int k_pad) -> bool");
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
   m.def("quantize_weight_rows(Tensor rows) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) -> Tensor");
@@ -48,4 +49,5 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
 // linear_panels reads a oneDNN tensor, which sends the call to this key.
 TORCH_LIBRARY_IMPL(radixserve, MkldnnCPU, m) {
   m.impl("linear_panels", &radixserve::linear_panels);
+  m.impl("panels_hold", &radixserve::panels_hold);
 }
