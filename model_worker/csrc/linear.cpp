@@ -120,9 +120,10 @@ void linear_panels_block(const float* x, const float* panels, const float* bias,
 // ([M][k_pad / 2], zero past K), one broadcast to every lane; each vdpbf16ps adds both products
 // of a pair to a lane's float32 sum (4 vectors a row hide its latency at memory speed). The
 // sums run over k in order, in blocks of `block_pairs` pairs, each block's sum from zero and then
-// added to the total: the order oneDNN's own kernel sums in, for the block size PackedWeight
-// found it to use on this weight (packed_linear.py), so that a row's result is oneDNN's to the
-// bit whatever the batch (0: one block). Each output is rounded to bfloat16 once, after the bias.
+// added to the total: the order oneDNN's own kernel sums many rows in, for the block size
+// PackedWeight found it to use on this shape (packed_linear.py), so that a row's result is
+// oneDNN's to the bit whatever the batch (0: one block). Each output is rounded to bfloat16 once,
+// after the bias.
 template <int M, int Block>
 void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
                             const at::BFloat16* bias, at::BFloat16* y, int64_t k_pairs,
