@@ -20,7 +20,8 @@ from radixserve.model_worker.quantization import Int8Weight
 from radixserve.model_worker.weight_format import PreparedWeight
 
 # Where the MLP's linears are int8 (a row's result depends on that row alone), a long prefill
-# chunk goes through the MLP in blocks of rows whose gate_up output (float32) is at most this:
+# chunk goes through the MLP in blocks of rows whose gate_up output, counted as float32, is at
+# most this (a bfloat16 model's int8 linears output bfloat16: its blocks take half of it):
 # 2,048 rows' (80 MB on the 0.5B, 200 MB on an 8B) were past glibc's mmap threshold (32 MB at
 # most) and page-faulted in afresh at every layer, as were silu_and_mul's; a block's are reused
 # from the heap (benchmarks/RESULTS.md). 0: the rows all at once.

@@ -77,8 +77,8 @@ def int8_weight_nbytes(rows: int, cols: int) -> int:
 
 class Int8Weight:
     """A linear layer's weight [N, K]: int8, one scale per output channel, in one copy: in
-    int8_vnni.cpp's layout (`vnni`, uint8 [N / 64, K / 4, 64, 4], rounded up) where the CPU has
-    AVX512-VNNI, else plain rows [N, K]."""
+    int8_vnni.cpp's layout (`vnni`, uint8 [N / 64, K / 4, 64, 4], rounded up) where
+    vnni_layout_available (AVX512-VNNI, no AMX), else plain rows [N, K]."""
 
     def __init__(self, weight: torch.Tensor, vnni: bool | None = None):
         self._allocate(weight.shape[0], weight.shape[1], weight.device, vnni)

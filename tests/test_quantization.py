@@ -135,6 +135,37 @@ def test_a_weight_of_minus_128_keeps_its_sign(vnni: bool) -> None:
     assert quantized.min() >= -127 and quantized.max() <= 127
 
 
+@pytest.mark.parametrize("vnni", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_or_infinity_makes_its_row_or_channel_nan(vnni: bool, dtype: torch.dtype) -> None:
+    """A token with a NaN or an infinity has no int8 scale: its outputs are NaN, as a float
+    matmul's are (not the bias alone, as if it were zeros), wherever the value lies in the row
+    (in the SIMD part or the tail); a weight channel with one is NaN for every token. The other
+    rows and channels are what they are without them."""
+    gen = torch.Generator().manual_seed(11)
+    K = 37  # 32 in vectors of 8 or 16 lanes, 5 in the scalar tail
+    w = torch.randn(70, K, generator=gen)
+    bias = torch.randn(70, generator=gen)
+    weight = Int8Weight(w, vnni=vnni)
+    for rows in (3, 12):  # int8_linear, and int8_gemm where oneDNN's sums are exact
+        clean = torch.randn(rows, K, generator=gen)
+        expected = weight.matmul(clean.to(dtype), bias)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for at in (0, K - 1):
+                x = clean.clone()
+                x[1, at] = bad
+                y = weight.matmul(x.to(dtype), bias)
+                assert y[1].isnan().all(), (bad, at, rows)
+                assert torch.equal(y[[0, 2]], expected[[0, 2]])
+    w[5, 0] = float("nan")
+    w[6, K - 1] = float("nan")
+    w[7, 3] = float("inf")
+    weight = Int8Weight(w, vnni=vnni)
+    y = weight.matmul(torch.randn(4, K, generator=gen).to(dtype), None)
+    assert y[:, 5:8].isnan().all()
+    assert torch.isfinite(y[:, :5]).all() and torch.isfinite(y[:, 8:]).all()
+
+
 def test_a_subnormal_channel_scale_quantizes_to_zeros_not_infinities() -> None:
     w = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
     w[1] = 1e-40  # subnormal: 1 / (1e-40 / 127) is infinite in float32

@@ -108,8 +108,9 @@ class Linear : public torch::CustomClassHolder {
 
 class DecoderLayers : public torch::CustomClassHolder {
  public:
-  // mlp_block_bytes: how large gate_up's float32 output may grow before the MLP takes the rows
-  // in blocks, where its linears keep rows apart (0: never).
+  // mlp_block_bytes: how large gate_up's output may grow, counted at float32's 4 bytes a value
+  // (a bfloat16 model's outputs take half of it), before the MLP takes the rows in blocks, where
+  // its linears keep rows apart (0: never).
   DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                 double scale, int64_t mlp_block_bytes)
       : num_heads_(num_heads),
@@ -175,7 +176,7 @@ class DecoderLayers : public torch::CustomClassHolder {
     c10::optional<at::Tensor> down_bias;
   };
 
-  // down(silu(gate_up(x))), in blocks of rows whose gate_up output stays within
+  // down(silu(gate_up(x))), in blocks of rows whose gate_up output, as float32, stays within
   // mlp_block_bytes_ where the linears keep rows apart: a long prefill chunk's (2,048 rows x
   // 9,728 outputs: 80 MB on the 0.5B), past glibc's mmap threshold, was page-faulted in afresh
   // at every layer, and so was silu's.

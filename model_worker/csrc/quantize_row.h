@@ -17,7 +17,10 @@ namespace radixserve {
 // Row `row` (K values) into `out`; returns its scale, max |x| / 127. Each value is rounded to
 // nearest, ties to even (as torch.round), and kept in [-127, 127]: the kernels negate values,
 // which -128 cannot survive. A row whose scale is zero or subnormal (1 / scale would be
-// infinite) is zeros with scale 0: its values are below any float32 normal number.
+// infinite) is zeros with scale 0: its values are below any float32 normal number. A row with a
+// NaN or an infinity has no scale: zeros with scale NaN, so that its outputs are NaN, as a float
+// matmul's would be, rather than the bias alone (an infinity times 1 / scale = 0 is NaN, which
+// no int8 holds).
 template <typename T>
 inline float quantize_row(const T* row, int64_t K, int8_t* out) {
   Vec vmax(0.f);
@@ -25,7 +28,15 @@ inline float quantize_row(const T* row, int64_t K, int8_t* out) {
   for (; k + kLanes <= K; k += kLanes) vmax = at::vec::maximum(vmax, load_float(row + k).abs());
   float absmax = at::vec::vec_reduce_all<float>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-  for (; k < K; ++k) absmax = std::max(absmax, std::abs(static_cast<float>(row[k])));
+  // NaN propagates here as at::vec::maximum propagates it above (std::max would drop it).
+  for (; k < K; ++k) {
+    const float a = std::abs(static_cast<float>(row[k]));
+    absmax = std::isnan(a) ? a : std::max(absmax, a);
+  }
+  if (!std::isfinite(absmax)) {
+    std::fill(out, out + K, int8_t{0});
+    return std::numeric_limits<float>::quiet_NaN();
+  }
   const float scale = absmax / 127.f;
   if (!(scale >= std::numeric_limits<float>::min())) {
     std::fill(out, out + K, int8_t{0});
