@@ -8,7 +8,8 @@ Both servers are started once and warmed up; then, round after round, each gets 
 requests in turn while the other idles. Two workloads: --num-requests sent at once (128-token
 prompts of random ids, 128 new tokens, ignore_eos, greedy, streaming), and --latency-requests
 sent one at a time. Prints output tok/s, TTFT p50/p99, ITL p50 (over every gap between two
-streamed tokens) and the ratios of the medians over rounds, beside the time to read a decode
+streamed tokens), TPOT p50 (each request's time per token after its first) and the ratios of
+the medians over rounds, beside the time to read a decode
 step's weights once (weight_streaming.py): the floor of a step at concurrency 1, and each engine's
 time from its start to /health answering. Without a vLLM install, radixserve runs alone.
 
@@ -92,6 +93,17 @@ class Run:
     @property
     def itl_p50(self) -> float:
         return statistics.median(g for t in self.timings for g in t.inter_token_latencies())
+
+    @property
+    def tpot_p50(self) -> float:
+        """Per request, the time from its first streamed token to its last over the tokens after
+        the first (vLLM's TPOT): unlike ITL it holds when events carry no text (a random model's
+        tokens past the tokenizer's vocabulary), which an OpenAI stream does not count."""
+        return statistics.median(
+            (t.chunks[-1] - t.chunks[0]) / (t.tokens - t.chunk_tokens[0])
+            for t in self.timings
+            if t.tokens > t.chunk_tokens[0]
+        )
 
 
 Send = Callable[[list[int], int], Awaitable[Timing]]
@@ -288,33 +300,37 @@ async def measure(
 
 def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | None) -> None:
     print(f"\n{title}\n")
-    print("| run | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | total (s) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| run | output tok/s | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | TPOT p50 (ms) "
+        "| total (s) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for engine, rs in runs.items():
         for i, r in enumerate(rs):
             q = statistics.quantiles(r.ttfts, n=100) if len(r.ttfts) > 1 else r.ttfts * 99
             print(
                 f"| {engine}, round {i + 1} | {r.throughput:.1f} | "
                 f"{statistics.median(r.ttfts):.2f} | {q[98]:.2f} | {r.itl_p50 * 1e3:.1f} | "
-                f"{r.duration:.1f} |"
+                f"{r.tpot_p50 * 1e3:.1f} | {r.duration:.1f} |"
             )
     med = {
         e: {
             "tok/s": statistics.median(r.throughput for r in rs),
             "TTFT p50": statistics.median(statistics.median(r.ttfts) for r in rs),
             "ITL p50": statistics.median(r.itl_p50 for r in rs),
+            "TPOT p50": statistics.median(r.tpot_p50 for r in rs),
         }
         for e, rs in runs.items()
     }
     for e, m in med.items():
         print(
             f"- {e} (medians over rounds): {m['tok/s']:.1f} tok/s, TTFT p50 {m['TTFT p50']:.2f} s"
-            f", ITL p50 {m['ITL p50'] * 1e3:.1f} ms"
+            f", ITL p50 {m['ITL p50'] * 1e3:.1f} ms, TPOT p50 {m['TPOT p50'] * 1e3:.1f} ms"
         )
     if stream_s is not None:
         for e, m in med.items():
-            ratio = m["ITL p50"] / stream_s
-            print(f"- {e}: ITL p50 / weight streaming ({stream_s * 1e3:.1f} ms) = {ratio:.2f}x")
+            ratio = m["TPOT p50"] / stream_s
+            print(f"- {e}: TPOT p50 / weight streaming ({stream_s * 1e3:.1f} ms) = {ratio:.2f}x")
     if "radixserve-http" in med:
         _print_ratios("radixserve HTTP / ZMQ", med["radixserve-http"], med["radixserve"])
     if "vllm" in med:
@@ -324,7 +340,8 @@ def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | Non
 def _print_ratios(label: str, a: dict[str, float], b: dict[str, float]) -> None:
     print(
         f"- {label}: throughput {a['tok/s'] / b['tok/s']:.3f}x, "
-        f"TTFT p50 {a['TTFT p50'] / b['TTFT p50']:.2f}x, ITL p50 {a['ITL p50'] / b['ITL p50']:.2f}x"
+        f"TTFT p50 {a['TTFT p50'] / b['TTFT p50']:.2f}x, "
+        f"ITL p50 {a['ITL p50'] / b['ITL p50']:.2f}x, TPOT p50 {a['TPOT p50'] / b['TPOT p50']:.2f}x"
     )
 
 
