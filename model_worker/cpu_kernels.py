@@ -44,7 +44,6 @@ SOURCES = (
     "int8.cpp",
     "int8_vnni.cpp",
     "linear.cpp",
-    "quantize_weights.cpp",
     "register.cpp",
 )
 LIBRARY = "radixserve_cpu.so"

@@ -135,14 +135,14 @@ class Int8Weight:
         return plain.view(torch.int8) ^ -128  # the layout keeps w + 128
 
     def quantize_rows(self, start: int, rows: torch.Tensor) -> None:
-        """Rows start.. from float values, each on its own max |w| (the extension's
-        quantize_weight_rows: one pass, no float32 temporaries)."""
+        """Rows start.. from float values, each on its own max |w|, as a token's activations are
+        (the extension's quantize_rows_int8: one pass, no float32 temporaries)."""
         # A block of rows at a time: what the extension returns stays small beside an 8B model.
         for begin in range(0, rows.shape[0], _QUANTIZE_ROWS):
             block = rows[begin : begin + _QUANTIZE_ROWS].detach()
             if block.dtype not in (torch.float32, torch.bfloat16):
                 block = block.float()
-            q, scale = torch.ops.radixserve.quantize_weight_rows(block.contiguous())
+            q, scale = torch.ops.radixserve.quantize_rows_int8(block.contiguous())
             at = start + begin
             self._write_rows(at, q)
             self.scale[at : at + block.shape[0]] = scale

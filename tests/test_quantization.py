@@ -78,7 +78,7 @@ def test_activations_round_to_nearest_even_on_each_rows_own_scale() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weights_quantize_per_row_as_the_torch_reference(dtype) -> None:
-    """quantize_weight_rows against the torch ops it replaced: max |w| / 127, round half to
+    """The weights' quantizer against the torch ops it replaced: max |w| / 127, round half to
     even, [-127, 127]; a zero or subnormal row zero with scale 0."""
     gen = torch.Generator().manual_seed(5)
     rows = torch.randn(40, 203, generator=gen) * torch.logspace(-30, 30, 40)[:, None]

@@ -39,7 +39,6 @@ bool panels_hold(const at::Tensor& packed, const at::Tensor& weight, int64_t blo
 at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int64_t k_pad,
                             int64_t block, int64_t k_block, const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x);
-std::tuple<at::Tensor, at::Tensor> quantize_weight_rows(const at::Tensor& rows);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,
                        const c10::optional<at::Tensor>& bias);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w_scale,

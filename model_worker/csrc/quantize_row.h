@@ -1,6 +1,6 @@
 // One row of float32 or bfloat16 values as int8 on its own scale: each token's activations (the
-// int8 kernels) and each output channel's weights (quantize_weights.cpp) alike, so that every
-// path quantizes a row the same way.
+// int8 kernels) and each output channel's weights (quantize_rows_int8 as the loader reads them)
+// alike, so that every path quantizes a row the same way.
 #pragma once
 
 #include <algorithm>

@@ -18,7 +18,6 @@ TORCH_LIBRARY(radixserve, m) {
       "Tensor? bias) -> Tensor");
   m.def("panels_hold(Tensor packed, Tensor weight, int block, int k_pad) -> bool");
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
-  m.def("quantize_weight_rows(Tensor rows) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) -> Tensor");
   m.def("int8_gemm(Tensor x, Tensor weight, Tensor w_scale, Tensor? bias) -> Tensor");
   m.def("dequantize_rows(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor");
@@ -37,7 +36,6 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("silu_and_mul", &radixserve::silu_and_mul);
   m.impl("linear_small_m", &radixserve::linear_small_m);
   m.impl("quantize_rows_int8", &radixserve::quantize_rows_int8);
-  m.impl("quantize_weight_rows", &radixserve::quantize_weight_rows);
   m.impl("int8_linear", &radixserve::int8_linear);
   m.impl("int8_gemm", &radixserve::int8_gemm);
   m.impl("dequantize_rows", &radixserve::dequantize_rows);
