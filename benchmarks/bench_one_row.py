@@ -1,8 +1,11 @@
-"""A decode step of one sequence with the extension's linear_panels for 1 to 4 rows on oneDNN's
-one copy of the weights, against oneDNN's matmul at every row count (what one copy ran before
-linear_panels), the two taking turns on one model in this process.
+"""A decode step of one sequence against the floor of reading its weights once, where the model
+keeps them; in bfloat16 or float32, the extension's linear_panels for 1 to 4 rows on oneDNN's one
+copy of the weights against oneDNN's matmul at every row count (what one copy ran before
+linear_panels), the two taking turns on one model in this process; with --quantization int8 the
+int8 kernels alone.
 
     python benchmarks/bench_one_row.py [--model PATH] [--dtype float32|bfloat16] [--steps 40]
+                                       [--quantization int8]
 
 float32 is the default dtype on CPUs without bfloat16; bfloat16 reads its panels with
 AVX512-BF16's vdpbf16ps (elsewhere it stays on oneDNN, and both configurations are the same).
@@ -12,9 +15,11 @@ and the step swaps them, with PANEL_ROWS set to match for the LM head; each conf
 decodes its own copy of the sequence in the pool. Prints the median step of each and the median
 of their ratios; whether the greedy tokens agree (sums in another order can round a bfloat16
 result the other way, and a near tie then the other way too); and each step against the
-weight-streaming floor, timed in turn with the steps: every weight a step reads, read once (summed
-in the model's dtype, as weight_streaming.py reads a checkpoint's) where the model keeps it (the
-bytes oneDNN reordered, and the norms and biases; of the embedding a step reads one row).
+weight-streaming floor, timed in turn with the steps: every tensor a step reads (all the model
+holds but the input embedding, of which a step reads one row) read once in place by the
+extension's read_bytes, a STREAM-like loop. The floor reads the very pages the step reads: this
+machine's bandwidth differs from one buffer to another, so a floor over other memory can be
+faster or slower than the model's.
 """
 
 from __future__ import annotations
@@ -27,32 +32,35 @@ import time
 import torch
 from bench_backends import Seqs, forward
 from bench_serving import make_prompts
+from weight_streaming import read_seconds
 
 from radixserve.model_worker import fused_ops
+from radixserve.model_worker.layers import LoadableModule, VocabParallelEmbedding
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.model_source import DEFAULT_MODEL, resolve_model_path
-from radixserve.model_worker.packed_linear import PackedWeight
 from radixserve.model_worker.parallel import TPGroup
 from radixserve.process_setup import keep_freed_memory
 
 # name: fused_ops.PANEL_ROWS while its fused layers are built and while it steps
 CONFIGS = {"linear_panels (1-4 rows)": fused_ops.PANEL_ROWS, "oneDNN at every row count": 0}
+INT8_CONFIGS = {"int8 kernels": fused_ops.PANEL_ROWS}
 PROMPT = 128
 
 
 def step_weights(runner: ModelRunner) -> list[torch.Tensor]:
-    """Every weight a decode step reads in full, as tensors in the model's dtype over its memory:
-    a PackedWeight's oneDNN buffer, and the parameters other than the embedding."""
-    tensors = [
-        p for name, p in runner.model.named_parameters() if not name.endswith("embed_tokens.weight")
-    ]
+    """Every tensor a decode step reads in full, over the memory the model keeps it in: what each
+    module holds but the input embedding (a oneDNN tensor as a view of its buffer)."""
+    tensors = []
     for module in runner.model.modules():
-        for value in vars(module).values():
-            if isinstance(value, PackedWeight):
-                nbytes = int(torch.ops.mkldnn._nbytes(value.packed))
-                address = int(torch.ops.mkldnn.data_ptr(value.packed))
+        if isinstance(module, VocabParallelEmbedding) or not isinstance(module, LoadableModule):
+            continue
+        for tensor in module.held_tensors():
+            if tensor.is_mkldnn:
+                nbytes = int(torch.ops.mkldnn._nbytes(tensor))
+                address = int(torch.ops.mkldnn.data_ptr(tensor))
                 buffer = (ctypes.c_char * nbytes).from_address(address)
-                tensors.append(torch.frombuffer(buffer, dtype=value.dtype))
+                tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+            tensors.append(tensor)
     return tensors
 
 
@@ -61,7 +69,9 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--quantization", choices=["int8"], default=None)
     args = parser.parse_args()
+    configs = INT8_CONFIGS if args.quantization else CONFIGS
     keep_freed_memory()
     path = resolve_model_path(args.model)
     max_len = PROMPT + args.steps + 1
@@ -70,31 +80,29 @@ def main() -> None:
         path,
         dtype=dtype,
         device=torch.device("cpu"),
-        max_total_tokens=len(CONFIGS) * max_len + 8,
+        max_total_tokens=len(configs) * max_len + 8,
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
         attention_backend="cpu_attn",
+        quantization=args.quantization,
     )
     assert runner.fused_layers, "cpu_attn on one rank fuses the decoder layers"
     layers = runner.model.model
     fused = {}
-    for name, panel_rows in CONFIGS.items():
+    for name, panel_rows in configs.items():
         fused_ops.PANEL_ROWS = panel_rows
         layers.fuse_layers()
         fused[name] = layers.fused_layers
     prompt = make_prompts(1, PROMPT, runner.model_config.vocab_size)[0]
-    seqs = Seqs([list(prompt) for _ in CONFIGS], [0] * len(CONFIGS), max_len)  # one a config
+    seqs = Seqs([list(prompt) for _ in configs], [0] * len(configs), max_len)  # one a config
     weights = step_weights(runner)
-    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    times: dict[str, list[float]] = {name: [] for name in configs}
     floors = []
     with torch.inference_mode():
         for _ in range(args.steps + 1):  # the first is the prompt's prefill, untimed
-            start = time.perf_counter()
-            for w in weights:
-                w.sum()
-            floors.append(time.perf_counter() - start)
-            for i, (name, panel_rows) in enumerate(CONFIGS.items()):
+            floors.append(sum(read_seconds(w) for w in weights))
+            for i, (name, panel_rows) in enumerate(configs.items()):
                 fused_ops.PANEL_ROWS = panel_rows
                 layers.fused_layers = fused[name]
                 start = time.perf_counter()
@@ -103,20 +111,25 @@ def main() -> None:
                 seqs.tokens[i].append(token)
     medians = {name: statistics.median(t[1:]) for name, t in times.items()}
     floor = statistics.median(floors[1:])
-    a, b = seqs.tokens[0][PROMPT:], seqs.tokens[1][PROMPT:]
-    same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    agree = "identical" if same is None else f"first differ at decode step {same}"
+    agree = ""
+    if len(configs) == 2:
+        a, b = seqs.tokens[0][PROMPT:], seqs.tokens[1][PROMPT:]
+        same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        agree = "; greedy tokens " + (
+            "identical" if same is None else f"first differ at decode step {same}"
+        )
     print(
-        f"{path}: {args.dtype}, one sequence, {args.steps} decode steps taking turns, threads "
-        f"{torch.get_num_threads()}; greedy tokens {agree}"
+        f"{path}: {args.dtype}, quantization {args.quantization}, one sequence, {args.steps} "
+        f"decode steps taking turns, threads {torch.get_num_threads()}{agree}"
     )
     for name, median in medians.items():
         print(f"  {name:28s} {median * 1e3:8.2f} ms per step, {median / floor:.2f}x the floor")
     gb = sum(w.numel() * w.element_size() for w in weights) / 1e9
     print(f"  {'weight-streaming floor':28s} {floor * 1e3:8.2f} ms ({gb:.2f} GB read once)")
-    names = list(CONFIGS)
-    ratios = [x / y for x, y in zip(times[names[0]][1:], times[names[1]][1:])]
-    print(f"  ratio, median of pairs: {statistics.median(ratios):.3f}")
+    if len(configs) == 2:
+        names = list(configs)
+        ratios = [x / y for x, y in zip(times[names[0]][1:], times[names[1]][1:])]
+        print(f"  ratio, median of pairs: {statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,17 @@
 A decode step of one sequence must stream every weight it multiplies by from memory, so no
 engine's step can be shorter on this machine. Measured as the bytes such a step reads, as served
 (every tensor in the served dtype; with int8, the linear weights at one byte each plus a float32
-scale per output channel), over the memory bandwidth this process's threads reach summing a
-buffer far larger than the caches. An untied input embedding is left out: a step reads one row
+scale per output channel), over the memory bandwidth this process's threads reach reading
+buffers far larger than the caches. An untied input embedding is left out: a step reads one row
 of it (an 8B model's is 1.2 GB of bfloat16); a tied one is the LM head, read whole.
+
+A read is torch's float32 max over the bytes, whatever their dtype: of the loops measured here
+(torch's sum and max, hand-vectorized xor loops of one or four streams, with and without
+prefetches) none read faster, and a max does no arithmetic that int8 bytes seen as floats
+(denormals, NaN) could slow. This machine's bandwidth varies from one buffer to the next (1 GiB
+buffers read at 27-47 GB/s in one session, each steady over its own reads), so the floor takes
+the best of a few buffers: the strictest floor the machine shows. An engine's weights may sit on
+slower memory than that; `bench_one_row.py` holds a step to a read of the model's own weights.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 _BANDWIDTH_BUFFER_BYTES = 1 << 30
+_BANDWIDTH_BUFFERS = 4
 _LM_HEAD = "lm_head.weight"
 
 
@@ -43,15 +52,27 @@ def decode_step_bytes(model_dir: str, dtype: torch.dtype, int8: bool = False) ->
     return total
 
 
+def read_seconds(tensor: torch.Tensor) -> float:
+    """The time to read a contiguous tensor's bytes once in this process's threads (the last
+    bytes of a size that is not a multiple of 4 are left: a float32 view cannot hold them)."""
+    data = tensor.reshape(-1).view(torch.uint8)
+    words = data[: data.numel() // 4 * 4].view(torch.float32)
+    start = time.perf_counter()
+    if words.numel():
+        words.amax()
+    return time.perf_counter() - start
+
+
 def memory_bandwidth() -> float:
-    """Bytes per second read by this process's threads: median of 5 timed sums of 1 GiB."""
-    buffer = torch.ones(_BANDWIDTH_BUFFER_BYTES // 4, dtype=torch.float32)
-    times = []
-    for _ in range(6):
-        start = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - start)
-    return _BANDWIDTH_BUFFER_BYTES / statistics.median(times[1:])
+    """Bytes per second this process's threads read: the best buffer's median of 5 reads, of a
+    few buffers of 1 GiB allocated in turn."""
+    best = 0.0
+    for _ in range(_BANDWIDTH_BUFFERS):
+        buffer = torch.full((_BANDWIDTH_BUFFER_BYTES,), 1, dtype=torch.uint8)
+        times = [read_seconds(buffer) for _ in range(6)]
+        best = max(best, _BANDWIDTH_BUFFER_BYTES / statistics.median(times[1:]))
+        del buffer
+    return best
 
 
 def weight_streaming_seconds(
