@@ -117,31 +117,33 @@ inline float rescale(int32_t acc, float x_scale, float w_scale, float bias) {
 
 // Rows [begin, end) of y (row stride y_stride) from their int32 products acc (row stride
 // acc_stride), `cols` outputs a row: each as `rescale` computes it (one multiply, one fused
-// multiply-add), kLanes at a time. w_scale and bias start at the block's first column.
+// multiply-add), kLanes at a time, stored in T (float, or bfloat16 rounded once). w_scale and
+// bias start at the block's first column.
+template <typename T>
 void rescale_rows(const int32_t* acc, int64_t acc_stride, const float* x_scale,
-                  const float* w_scale, const float* bias, float* y, int64_t y_stride,
+                  const float* w_scale, const float* bias, T* y, int64_t y_stride,
                   int64_t cols, int64_t begin, int64_t end) {
   using IVec = at::vec::Vectorized<int32_t>;
   static_assert(IVec::size() == kLanes, "int32 and float vectors of one width");
   const Vec zero(0.f);
   for (int64_t m = begin; m < end; ++m) {
     const int32_t* a = acc + m * acc_stride;
-    float* out = y + m * y_stride;
+    T* out = y + m * y_stride;
     const float xs = x_scale[m];
     const Vec vxs(xs);
     int64_t n = 0;
     for (; n + kLanes <= cols; n += kLanes) {
       const Vec products = at::vec::convert_to_fp_of_same_size<float>(IVec::loadu(a + n));
       const Vec b = bias == nullptr ? zero : Vec::loadu(bias + n);
-      at::vec::fmadd(products, vxs * Vec::loadu(w_scale + n), b).store(out + n);
+      store_float(at::vec::fmadd(products, vxs * Vec::loadu(w_scale + n), b), out + n);
     }
     for (; n < cols; ++n) out[n] = rescale(a[n], xs, w_scale[n], bias == nullptr ? 0.f : bias[n]);
   }
 }
 
-template <int M>
+template <int M, typename T>
 void int8_linear_m(const int8_t* x, const float* x_scale, const int8_t* w, const float* w_scale,
-                   const float* bias, float* y, int64_t K, int64_t N) {
+                   const float* bias, T* y, int64_t K, int64_t N) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     int32_t acc[M];
     for (int64_t n = begin; n < end; ++n) {
@@ -200,25 +202,27 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   check_scales(x_scale, M, w_scale, N, "int8_linear");
   const float* bp = bias_data(bias, N, "int8_linear");
-  at::Tensor y = at::empty({M, N}, x_scale.options());
+  at::Tensor y = at::empty({M, N}, x.options());  // x's dtype: each output rounded once
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* ws = w_scale.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxSmallM) {
-    const int8_t* xp = xq.data_ptr<int8_t>() + m0 * K;
-    const float* xs = x_scale.data_ptr<float>() + m0;
-    float* yp = y.data_ptr<float>() + m0 * N;
-    switch (std::min(kMaxSmallM, M - m0)) {
-      case 1: int8_linear_m<1>(xp, xs, wp, ws, bp, yp, K, N); break;
-      case 2: int8_linear_m<2>(xp, xs, wp, ws, bp, yp, K, N); break;
-      case 3: int8_linear_m<3>(xp, xs, wp, ws, bp, yp, K, N); break;
-      case 4: int8_linear_m<4>(xp, xs, wp, ws, bp, yp, K, N); break;
-      case 5: int8_linear_m<5>(xp, xs, wp, ws, bp, yp, K, N); break;
-      case 6: int8_linear_m<6>(xp, xs, wp, ws, bp, yp, K, N); break;
-      case 7: int8_linear_m<7>(xp, xs, wp, ws, bp, yp, K, N); break;
-      default: int8_linear_m<8>(xp, xs, wp, ws, bp, yp, K, N); break;
+  RADIXSERVE_DISPATCH_FLOAT(y, "int8_linear", [&] {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxSmallM) {
+      const int8_t* xp = xq.data_ptr<int8_t>() + m0 * K;
+      const float* xs = x_scale.data_ptr<float>() + m0;
+      scalar_t* yp = y.data_ptr<scalar_t>() + m0 * N;
+      switch (std::min(kMaxSmallM, M - m0)) {
+        case 1: int8_linear_m<1>(xp, xs, wp, ws, bp, yp, K, N); break;
+        case 2: int8_linear_m<2>(xp, xs, wp, ws, bp, yp, K, N); break;
+        case 3: int8_linear_m<3>(xp, xs, wp, ws, bp, yp, K, N); break;
+        case 4: int8_linear_m<4>(xp, xs, wp, ws, bp, yp, K, N); break;
+        case 5: int8_linear_m<5>(xp, xs, wp, ws, bp, yp, K, N); break;
+        case 6: int8_linear_m<6>(xp, xs, wp, ws, bp, yp, K, N); break;
+        case 7: int8_linear_m<7>(xp, xs, wp, ws, bp, yp, K, N); break;
+        default: int8_linear_m<8>(xp, xs, wp, ws, bp, yp, K, N); break;
+      }
     }
-  }
-  return in_dtype_of(y, x);
+  });
+  return y;
 }
 
 at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
@@ -251,8 +255,8 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
               "int8_gemm: weight scales must be contiguous float32 [N]");
   const int64_t M = x.size(0), N = weight.size(0);
   const float* bp = bias_data(bias, N, "int8_gemm");
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0) return in_dtype_of(y, x);
+  at::Tensor y = at::empty({M, N}, x.options());  // x's dtype: each output rounded once
+  if (M == 0) return y;
   // The int32 products of a whole prefill chunk (2048 rows x the 0.5B's 9728 gate_up outputs:
   // 80 MB, page-faulted in on every call) went out to memory and back for the rescale: a fifth
   // of an int8 prefill. A block of the weight's rows (the output's columns) at a time keeps
@@ -263,18 +267,20 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Te
   at::Tensor acc = at::empty({M * cols}, x.options().dtype(at::kInt));
   const float* xs = x_scale.data_ptr<float>();
   const float* ws = w_scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t n0 = 0; n0 < N; n0 += cols) {
-    const int64_t width = std::min(cols, N - n0);
-    at::Tensor products = acc.narrow(0, 0, M * width).view({M, width});
-    at::_int_mm_out(products, xq, weight.narrow(0, n0, width).t());
-    const int32_t* ap = products.data_ptr<int32_t>();
-    const float* bias_cols = bp == nullptr ? nullptr : bp + n0;
-    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-      rescale_rows(ap, width, xs, ws + n0, bias_cols, yp + n0, N, width, begin, end);
-    });
-  }
-  return in_dtype_of(y, x);
+  RADIXSERVE_DISPATCH_FLOAT(y, "int8_gemm", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for (int64_t n0 = 0; n0 < N; n0 += cols) {
+      const int64_t width = std::min(cols, N - n0);
+      at::Tensor products = acc.narrow(0, 0, M * width).view({M, width});
+      at::_int_mm_out(products, xq, weight.narrow(0, n0, width).t());
+      const int32_t* ap = products.data_ptr<int32_t>();
+      const float* bias_cols = bp == nullptr ? nullptr : bp + n0;
+      at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+        rescale_rows(ap, width, xs, ws + n0, bias_cols, yp + n0, N, width, begin, end);
+      });
+    }
+  });
+  return y;
 }
 
 }  // namespace radixserve

@@ -56,15 +56,10 @@ inline float quantize_row(const T* row, int64_t K, int8_t* out) {
   return scale;
 }
 
-// The int8 kernels rescale in float32: a bfloat16 model's bias as float32 (the few q/k/v biases),
-// and the outputs rounded once to the activations' dtype.
+// The int8 kernels rescale in float32: a bfloat16 model's bias as float32 (the few q/k/v biases).
 inline c10::optional<at::Tensor> bias_as_float(const c10::optional<at::Tensor>& bias) {
   if (!bias.has_value() || bias->scalar_type() == at::kFloat) return bias;
   return bias->to(at::kFloat);
-}
-
-inline at::Tensor in_dtype_of(const at::Tensor& y, const at::Tensor& x) {
-  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
 }  // namespace radixserve
