@@ -166,6 +166,26 @@ def test_a_nan_or_infinity_makes_its_row_or_channel_nan(vnni: bool, dtype: torch
     assert torch.isfinite(y[:, :5]).all() and torch.isfinite(y[:, 8:]).all()
 
 
+@pytest.mark.parametrize("K", [37, 64, 203])
+def test_bfloat16_rows_quantize_as_their_float32_values(K: int) -> None:
+    """bfloat16 rows take their max |x| from the values' bits (quantize_row.h): the same int8
+    values and scales as the same numbers in float32, with the largest magnitude negative, in the
+    tail past whole vectors, a NaN with its sign bit set, infinities, and subnormal rows."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(8, K, generator=gen) * torch.logspace(-38, 30, 8)[:, None]
+    x[0, K - 1] = -1e4  # the largest magnitude, negative, in the tail
+    x[1, K // 2] = -float("nan")
+    x[2, 3] = -float("inf")
+    x[3] = 1e-39  # subnormal in both dtypes: scale 0
+    x = x.bfloat16()
+    assert x[1, K // 2].view(torch.int16) < 0  # the NaN kept its sign
+    q16, scale16 = ops.quantize_rows_int8(x)
+    q32, scale32 = ops.quantize_rows_int8(x.float())
+    assert torch.equal(q16, q32)
+    torch.testing.assert_close(scale16, scale32, rtol=0, atol=0, equal_nan=True)
+    assert scale16[1:3].isnan().all() and scale16[3] == 0 and q16[0, K - 1] == -127
+
+
 def test_a_subnormal_channel_scale_quantizes_to_zeros_not_infinities() -> None:
     w = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
     w[1] = 1e-40  # subnormal: 1 / (1e-40 / 127) is infinite in float32

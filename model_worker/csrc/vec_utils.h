@@ -24,8 +24,14 @@ inline Vec load_float(const at::BFloat16* p) {
 }
 inline void store_float(const Vec& v, float* p) { v.store(p); }
 inline void store_float(const Vec& v, at::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // ATen's rounding of one vector (convert_from_float's, lane for lane), stored whole: the pair
+  // conversion below rounds v twice and stores half of it under a mask.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_bf16(__m512(v)));
+#else
   // Converts a pair of float vectors into one of bfloat16: the first half is v's.
   at::vec::convert_from_float<at::BFloat16>(v, v).store(p, kLanes);
+#endif
 }
 
 // Expands the lambda given for scalar_t = float and = at::BFloat16, and runs the one for the
