@@ -16,10 +16,10 @@ decodes its own copy of the sequence in the pool. Prints the median step of each
 of their ratios; whether the greedy tokens agree (sums in another order can round a bfloat16
 result the other way, and a near tie then the other way too); and each step against the
 weight-streaming floor, timed in turn with the steps: every tensor a step reads (all the model
-holds but the input embedding, of which a step reads one row) read once in place by the
-extension's read_bytes, a STREAM-like loop. The floor reads the very pages the step reads: this
-machine's bandwidth differs from one buffer to another, so a floor over other memory can be
-faster or slower than the model's.
+holds but the input embedding, of which a step reads one row) read once in place, as
+weight_streaming.py's read_seconds reads a buffer (torch's float32 max over its bytes). The floor
+reads the very pages the step reads: this machine's bandwidth differs from one buffer to another,
+so a floor over other memory can be faster or slower than the model's.
 """
 
 from __future__ import annotations
