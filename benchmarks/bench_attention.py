@@ -4,12 +4,15 @@ kernel in the same process, taking turns.
 
     python benchmarks/bench_attention.py [--dtype bfloat16] [--baseline HEAD] [--threads 1]
         [--shape 14/2x64 --shape 32/8x128] [--case 64x200+1 --case 16x0+128 ...]
+        [--slots shuffled|in-a-row]
 
 A shape is query heads / KV heads x head size (default: Qwen2-0.5B's and an 8B's); a case is
 sequences x cached tokens + new tokens each (default: a decode step of 64 at context 200, one
-sequence decoding at 2,000, and prefill chunks of 16 x 128 and 1 x 2,048). Decodes run on
-shuffled slots (decode steps interleave the sequences' slots); "from memory" cycles through
-enough layers' pools that a layer's K and V are not in cache when it runs.
+sequence decoding at 2,000, and prefill chunks of 16 x 128 and 1 x 2,048). The slots are
+shuffled (decode steps interleave the sequences' slots, and a long-running pool's free list is
+in no order), or with --slots in-a-row each sequence's in a row (a prompt prefilled into a fresh
+pool); "from memory" cycles through enough layers' pools that a layer's K and V are not in cache
+when it runs.
 
 --baseline REV builds REV's attention.cpp (from `git archive`) once into the kernel cache, as
 op namespace radixserve_baseline, and times it against the working tree's: both in one process,
@@ -103,7 +106,10 @@ def parse_case(text: str) -> tuple[int, int, int]:
 
 
 def make_layers(
-    shape: tuple[int, int, int], case: tuple[int, int, int], dtype: torch.dtype
+    shape: tuple[int, int, int],
+    case: tuple[int, int, int],
+    dtype: torch.dtype,
+    shuffled: bool = True,
 ) -> tuple[list[tuple], float]:
     """Arguments of one call per layer (as many layers as "from memory" needs), and the FLOPs
     of a call (QK^T and PV, causal)."""
@@ -113,7 +119,9 @@ def make_layers(
     num_slots = b * (ctx + new) + 1  # slot 0 is padding
     layer_bytes = num_slots * kv_heads * d * dtype.itemsize * 2
     num_layers = 1 if ctx == 0 else max(1, math.ceil(COLD_BYTES / layer_bytes))
-    order = torch.randperm(num_slots - 1, generator=gen) + 1
+    order = torch.arange(1, num_slots)
+    if shuffled:
+        order = order[torch.randperm(num_slots - 1, generator=gen)]
     kv_slots = order.view(b, ctx + new).contiguous()
     loc = kv_slots[:, ctx:].reshape(-1).contiguous()
     prefix = torch.full((b,), ctx, dtype=torch.int64)
@@ -151,6 +159,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--shape", action="append", help="heads/kv_heads x head_dim")
     parser.add_argument("--case", action="append", help="sequences x context + new tokens")
+    parser.add_argument("--slots", default="shuffled", choices=("shuffled", "in-a-row"))
     parser.add_argument("--baseline", default=None, help="git revision to time against")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -164,7 +173,7 @@ def main() -> None:
         ops = {"baseline": load_baseline(args.baseline), **ops}
     print(
         f"paged_attention, {args.dtype}, threads {args.threads} ({clock}), median of "
-        f"{args.rounds} rounds taking turns; baseline {args.baseline or '-'}\n"
+        f"{args.rounds} rounds taking turns; slots {args.slots}; baseline {args.baseline or '-'}\n"
     )
     names = list(ops)
     header = " | ".join(f"{n} ms (GFLOP/s)" for n in names)
@@ -173,7 +182,8 @@ def main() -> None:
     print("|---|---|---|" + "---|" * len(names) + ("---|" if args.baseline else ""))
     for shape_text in args.shape or SHAPES:
         for case_text in args.case or CASES:
-            layers, flops = make_layers(parse_shape(shape_text), parse_case(case_text), dtype)
+            shape, case = parse_shape(shape_text), parse_case(case_text)
+            layers, flops = make_layers(shape, case, dtype, args.slots == "shuffled")
             outs = [ops[n](*layers[0]) for n in names]
             if len(outs) == 2:  # same arithmetic, same order of keys: the same result
                 torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
