@@ -434,26 +434,24 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           for (int64_t r = 0; r < R; ++r) {
             const int64_t cnt = std::max<int64_t>(0, std::min(n, row_keys[r] - j0));
             float* s = scores.data() + r * kBlockKeys;
-            if (cnt == 0) {
-              std::fill(s, s + n, 0.f);
-              continue;
-            }
+            std::fill(s + cnt, s + n, 0.f);  // keys past the row's causal end weigh nothing
+            if (cnt == 0) continue;
             float& m = row_max[hh * R + r];
             const float new_max = std::max(m, row_max_of(s, cnt));
             const float rescale = std::exp(m - new_max);
-            // Keys past the row's causal end weigh nothing: -inf in the last vector (whose exp
-            // is 0), zeros after it.
-            const int64_t vec_end = (cnt + kLanes - 1) / kLanes * kLanes;
-            std::fill(s + cnt, s + vec_end, neg_inf);
-            std::fill(s + vec_end, s + std::max(n, vec_end), 0.f);
             const Vec vmax(new_max);
             Vec vsum(0.f);
-            for (int64_t j = 0; j < vec_end; j += kLanes) {
+            int64_t j = 0;
+            for (; j + kLanes <= cnt; j += kLanes) {
               const Vec p = (Vec::loadu(s + j) - vmax).exp_u20();
               p.store(s + j);
               vsum = vsum + p;
             }
-            const float sum = hsum(vsum);
+            float sum = hsum(vsum);
+            for (; j < cnt; ++j) {
+              s[j] = std::exp(s[j] - new_max);
+              sum += s[j];
+            }
             row_sum[hh * R + r] = row_sum[hh * R + r] * rescale + sum;
             m = new_max;
             if (rescale != 1.f) scale_inplace(acch + r * D, rescale, D);
