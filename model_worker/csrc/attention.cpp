@@ -364,6 +364,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const Item& it = items[w / units_per_item];
       const int64_t h_begin = (w % units_per_item) * heads_per_unit;
       const int64_t R = (it.q_end - it.q_begin) * G;  // row r: token q_begin + r / G, head r % G
+      // Past 64 elements a head, a decode's rows take half the keys a block: a head's K and V
+      // rows of 64 keys and its packed keys outgrew L1 (a decode step of 64 at 32/8 x 128, slots
+      // in a row, ran ~20% slower at 64 keys than at 32). A prefill tile's many rows keep 64,
+      // which it reuses more.
+      const int64_t block_keys = D > 64 && R <= kRowGroup ? kBlockKeys / 2 : kBlockKeys;
       const int64_t tok0 = first_token[it.seq] + it.q_begin;
       const int64_t* slots = slots_all + it.seq * L;
       for (int64_t r = 0; r < R; ++r) {
@@ -387,8 +392,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       std::fill(acc.begin(), acc.begin() + heads_per_unit * R * D, 0.f);
       const int64_t row_floats = heads_per_unit * D;  // what this unit reads of a slot's row
       const int64_t kv_end = prefix[it.seq] + it.q_end;
-      for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockKeys) {
-        const int64_t n = std::min(kBlockKeys, kv_end - j0);
+      for (int64_t j0 = 0; j0 < kv_end; j0 += block_keys) {
+        const int64_t n = std::min(block_keys, kv_end - j0);
         const int64_t nchunks = (n + kLanes - 1) / kLanes;
         for (int64_t j = 0; j < n; ++j) {
           krows[j] = kc + (slots[j0 + j] * Hkv + h_begin) * D;
