@@ -2,9 +2,24 @@
 // to the longest sequence. One call serves a mixed batch (decodes, prefill chunks, prefix hits).
 // float32 or bfloat16 q, k, v and pool (a bfloat16 pool halves the bytes a decode step reads);
 // scores, softmax and sums in float32.
+//
+// A work unit's query rows (its tokens x the query heads of one KV head) meet a block of keys as
+// two small matrix products, FlashAttention-2's tiles on a CPU. Scores: the block's K rows are
+// transposed once into a small buffer, keys along the vector lanes, so that a query row's scores
+// for kLanes keys are one vector of fused multiply-adds over the head size (the query element
+// broadcast), with no horizontal sum per (row, key); in bfloat16 on CPUs with AVX512-BF16 the
+// buffer holds bfloat16 pairs and vdpbf16ps takes two elements a lane (the scale applied to the
+// sums). P x V: each V row is a vector, widened to float32 once per row group (once per block,
+// into a buffer, where the rows span several groups), each probability a broadcast, the rows'
+// sums in registers. Softmax's exp is ATen's exp_u20 (within 20 ulp, as ATen's flash attention).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512F__)
+#include <immintrin.h>
+#define RADIXSERVE_ATTN_AVX512 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -21,9 +36,10 @@ namespace radixserve {
 namespace {
 
 constexpr int64_t kBlockKeys = 64;    // keys scored per step of the online softmax
+constexpr int64_t kChunks = kBlockKeys / kLanes;  // key vectors (of kLanes keys) in a block
 constexpr int64_t kQueryRows = 64;    // query rows (tokens x heads of one KV head) per work item
 constexpr int64_t kPrefetchKeys = 8;  // keys ahead whose K and V rows are prefetched
-constexpr int kRowGroup = 4;          // query rows that share each load of a K or V row
+constexpr int kRowGroup = 8;          // query rows whose sums stay in registers together
 
 // A head's K or V row sits at a slot of the pool that no pattern predicts (a decode step's
 // tokens are interleaved with other sequences'): fetch it ahead, or every key waits for memory.
@@ -32,65 +48,178 @@ inline void prefetch_row(const T* row, int64_t D) {
   for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(row + d);
 }
 
-// scores[i][j] = q_i . k_j for RN query rows and the block's n keys: each K row loaded once.
-// With the head size known at compile time (kD), the query rows stay in registers across keys.
-template <int RN, int kD, typename T>
-void score_rows(const float* q, const T* const* slot_rows, int64_t head_offset, int64_t n,
-                int64_t D, float* scores) {
-  if constexpr (kD > 0 && kD % kLanes == 0) {
-    constexpr int64_t kVecs = kD / kLanes;
-    Vec qv[RN][kVecs];
-    for (int i = 0; i < RN; ++i) {
-      for (int64_t c = 0; c < kVecs; ++c) qv[i][c] = Vec::loadu(q + i * kD + c * kLanes);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const T* kr = slot_rows[j] + head_offset;
-      Vec a[RN];
-      for (int i = 0; i < RN; ++i) a[i] = Vec(0.f);
-      for (int64_t c = 0; c < kVecs; ++c) {
-        const Vec kv = load_float(kr + c * kLanes);
-        for (int i = 0; i < RN; ++i) a[i] = at::vec::fmadd(qv[i][c], kv, a[i]);
-      }
-      for (int i = 0; i < RN; ++i) scores[i * kBlockKeys + j] = hsum(a[i]);
-    }
-    return;
+// How a block's K rows are packed, as 32-bit elements: float32 values (Float), bfloat16 pairs
+// for vdpbf16ps (Pairs), or bfloat16 values widened to float32 (Widened: bfloat16 on a CPU
+// without AVX512-BF16, which the backend selection keeps off cpu_attn, but which must work).
+enum class KeyPack { Float, Pairs, Widened };
+
+template <KeyPack P, typename T>
+inline uint32_t key_element(const T* row, int64_t e) {
+  uint32_t bits;
+  if constexpr (P == KeyPack::Widened) {
+    uint16_t half;
+    std::memcpy(&half, row + e, sizeof(half));
+    bits = static_cast<uint32_t>(half) << 16;  // bfloat16 is float32's upper half
+  } else {
+    std::memcpy(&bits, reinterpret_cast<const char*>(row) + e * 4, sizeof(bits));
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kr = slot_rows[j] + head_offset;
-    Vec a[RN];
-    for (int i = 0; i < RN; ++i) a[i] = Vec(0.f);
-    int64_t d = 0;
-    for (; d + kLanes <= D; d += kLanes) {
-      const Vec kv = load_float(kr + d);
-      for (int i = 0; i < RN; ++i) a[i] = at::vec::fmadd(Vec::loadu(q + i * D + d), kv, a[i]);
+  return bits;
+}
+
+#if defined(RADIXSERVE_ATTN_AVX512)
+template <KeyPack P, typename T>
+inline __m512i load_key_elements(const T* row, int64_t e) {
+  if constexpr (P == KeyPack::Widened) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + e));
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
+  } else {
+    return _mm512_loadu_si512(reinterpret_cast<const char*>(row) + e * 4);
+  }
+}
+
+// r[i] lane j <- r[j] lane i, for 16 vectors of 16 32-bit lanes: 64 shuffles, in-register.
+inline void transpose_16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int k = 0; k < 8; ++k) {  // 128-bit lanes: [r2k[i], r2k+1[i], ...] pairs of rows
+    t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+  }
+  for (int m = 0; m < 4; ++m) {  // u[4m + p], 128-bit lane L: element 4L + p of rows 4m..4m+3
+    r[4 * m] = _mm512_unpacklo_epi64(t[4 * m], t[4 * m + 2]);
+    r[4 * m + 1] = _mm512_unpackhi_epi64(t[4 * m], t[4 * m + 2]);
+    r[4 * m + 2] = _mm512_unpacklo_epi64(t[4 * m + 1], t[4 * m + 3]);
+    r[4 * m + 3] = _mm512_unpackhi_epi64(t[4 * m + 1], t[4 * m + 3]);
+  }
+  for (int p = 0; p < 4; ++p) {  // gather 128-bit lane L of u[p], u[4 + p], ... into 4L + p
+    const __m512i w_lo = _mm512_shuffle_i32x4(r[p], r[4 + p], 0x44);
+    const __m512i w_hi = _mm512_shuffle_i32x4(r[p], r[4 + p], 0xEE);
+    const __m512i x_lo = _mm512_shuffle_i32x4(r[8 + p], r[12 + p], 0x44);
+    const __m512i x_hi = _mm512_shuffle_i32x4(r[8 + p], r[12 + p], 0xEE);
+    t[p] = _mm512_shuffle_i32x4(w_lo, x_lo, 0x88);
+    t[4 + p] = _mm512_shuffle_i32x4(w_lo, x_lo, 0xDD);
+    t[8 + p] = _mm512_shuffle_i32x4(w_hi, x_hi, 0x88);
+    t[12 + p] = _mm512_shuffle_i32x4(w_hi, x_hi, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+// chunk[e][l] = element e (of E) of key l's row (of `keys`, at most kLanes), from `offset` on;
+// zero past the keys, so that every key vector is whole.
+template <KeyPack P, typename T>
+void pack_key_chunk(const T* const* rows, int64_t offset, int64_t keys, int64_t E,
+                    uint32_t* chunk) {
+  int64_t e = 0;
+#if defined(RADIXSERVE_ATTN_AVX512)
+  for (; e + 16 <= E; e += 16) {
+    __m512i r[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      r[j] = j < keys ? load_key_elements<P>(rows[j] + offset, e) : _mm512_setzero_si512();
     }
-    for (int i = 0; i < RN; ++i) {
-      float sum = hsum(a[i]);
-      for (int64_t dd = d; dd < D; ++dd) sum += q[i * D + dd] * static_cast<float>(kr[dd]);
-      scores[i * kBlockKeys + j] = sum;
+    transpose_16x16_epi32(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(chunk + (e + i) * kLanes, r[i]);
+  }
+#endif
+  for (; e < E; ++e) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      chunk[e * kLanes + j] = j < keys ? key_element<P>(rows[j] + offset, e) : 0u;
     }
   }
 }
 
-// acc[i] += sum_j p[i][j] v_j for RN query rows: each V row loaded once, acc held in registers.
-template <int RN, typename T>
-void accumulate_rows(const float* p, const T* const* slot_rows, int64_t head_offset, int64_t n,
+// s[i][c * kLanes + l] = q_i . k_(c * kLanes + l) for RN query rows (row stride E elements) and
+// NC key vectors from c0: per element, NC loads of the packed keys and RN x NC multiply-adds.
+// kE: E when known at compile time, else 0.
+template <int RN, int NC, int kE>
+void score_keys(const float* q, int64_t E, const uint32_t* kt, int64_t c0, float* s) {
+  const int64_t n_elems = kE > 0 ? kE : E;
+  Vec a[RN][NC];
+  for (int i = 0; i < RN; ++i) {
+    for (int c = 0; c < NC; ++c) a[i][c] = Vec(0.f);
+  }
+  const float* k = reinterpret_cast<const float*>(kt) + c0 * n_elems * kLanes;
+  for (int64_t e = 0; e < n_elems; ++e) {
+    Vec kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = Vec::loadu(k + (c * n_elems + e) * kLanes);
+    for (int i = 0; i < RN; ++i) {
+      const Vec qv(q[i * n_elems + e]);
+      for (int c = 0; c < NC; ++c) a[i][c] = at::vec::fmadd(qv, kv[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < RN; ++i) {
+    for (int c = 0; c < NC; ++c) a[i][c].store(s + i * kBlockKeys + (c0 + c) * kLanes);
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(RADIXSERVE_ATTN_AVX512)
+// The same on bfloat16 pairs (q: [RN][E] pairs, unscaled), two products a lane per vdpbf16ps,
+// each exact in float32; the sums are scaled once at the end.
+template <int RN, int NC, int kE>
+void score_key_pairs(const uint32_t* q, int64_t E, const uint32_t* kt, int64_t c0, float scale,
+                     float* s) {
+  const int64_t n_pairs = kE > 0 ? kE : E;
+  __m512 a[RN][NC];
+  for (int i = 0; i < RN; ++i) {
+    for (int c = 0; c < NC; ++c) a[i][c] = _mm512_setzero_ps();
+  }
+  const uint32_t* k = kt + c0 * n_pairs * 16;
+  for (int64_t e = 0; e < n_pairs; ++e) {
+    __m512bh kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(k + (c * n_pairs + e) * 16);
+    for (int i = 0; i < RN; ++i) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(q[i * n_pairs + e]);
+      for (int c = 0; c < NC; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], qv, kv[c]);
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int i = 0; i < RN; ++i) {
+    for (int c = 0; c < NC; ++c) {
+      _mm512_storeu_ps(s + i * kBlockKeys + (c0 + c) * 16, _mm512_mul_ps(a[i][c], vscale));
+    }
+  }
+}
+#endif
+
+// acc[i] += sum_j p[i][j] v_j for RN query rows over the V rows from `offset` on: each V vector
+// loaded (and widened to float32) once for all RN rows, two vectors of each row's sums in
+// registers.
+template <int RN, typename V>
+void accumulate_rows(const float* p, const V* const* v_rows, int64_t offset, int64_t n,
                      int64_t D, float* acc) {
   int64_t d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    Vec a[RN][2];
+    for (int i = 0; i < RN; ++i) {
+      a[i][0] = Vec::loadu(acc + i * D + d);
+      a[i][1] = Vec::loadu(acc + i * D + d + kLanes);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const V* vr = v_rows[j] + offset + d;
+      const Vec v0 = load_float(vr), v1 = load_float(vr + kLanes);
+      for (int i = 0; i < RN; ++i) {
+        const Vec pv(p[i * kBlockKeys + j]);
+        a[i][0] = at::vec::fmadd(pv, v0, a[i][0]);
+        a[i][1] = at::vec::fmadd(pv, v1, a[i][1]);
+      }
+    }
+    for (int i = 0; i < RN; ++i) {
+      a[i][0].store(acc + i * D + d);
+      a[i][1].store(acc + i * D + d + kLanes);
+    }
+  }
   for (; d + kLanes <= D; d += kLanes) {
     Vec a[RN];
     for (int i = 0; i < RN; ++i) a[i] = Vec::loadu(acc + i * D + d);
     for (int64_t j = 0; j < n; ++j) {
-      const Vec vv = load_float(slot_rows[j] + head_offset + d);
+      const Vec vv = load_float(v_rows[j] + offset + d);
       for (int i = 0; i < RN; ++i) a[i] = at::vec::fmadd(Vec(p[i * kBlockKeys + j]), vv, a[i]);
     }
     for (int i = 0; i < RN; ++i) a[i].store(acc + i * D + d);
   }
   for (; d < D; ++d) {
     for (int64_t j = 0; j < n; ++j) {
-      for (int i = 0; i < RN; ++i) {
-        acc[i * D + d] += p[i * kBlockKeys + j] * static_cast<float>(slot_rows[j][head_offset + d]);
-      }
+      const float vd = static_cast<float>(v_rows[j][offset + d]);
+      for (int i = 0; i < RN; ++i) acc[i * D + d] += p[i * kBlockKeys + j] * vd;
     }
   }
 }
@@ -103,9 +232,42 @@ void for_row_groups(int64_t R, F&& f) {
       case 1: f(std::integral_constant<int, 1>{}, r0); break;
       case 2: f(std::integral_constant<int, 2>{}, r0); break;
       case 3: f(std::integral_constant<int, 3>{}, r0); break;
-      default: f(std::integral_constant<int, 4>{}, r0); break;
+      case 4: f(std::integral_constant<int, 4>{}, r0); break;
+      case 5: f(std::integral_constant<int, 5>{}, r0); break;
+      case 6: f(std::integral_constant<int, 6>{}, r0); break;
+      case 7: f(std::integral_constant<int, 7>{}, r0); break;
+      default: f(std::integral_constant<int, 8>{}, r0); break;
     }
   }
+}
+
+// Key vectors scored together per row group: the RN x NC sums fill the registers, and enough
+// independent sums are in flight to hide the multiply-add's latency.
+template <int RN>
+constexpr int chunks_per_pass() {
+  return RN <= 2 ? 4 : RN <= 4 ? 2 : 1;
+}
+
+// Runs f<NC>(first key vector) over a block's nchunks key vectors, chunks_per_pass<RN> at once.
+template <int RN, typename F>
+void for_key_chunks(int64_t nchunks, F&& f) {
+  constexpr int kPass = chunks_per_pass<RN>();
+  int64_t c = 0;
+  for (; c + kPass <= nchunks; c += kPass) f(std::integral_constant<int, kPass>{}, c);
+  for (; c < nchunks; ++c) f(std::integral_constant<int, 1>{}, c);
+}
+
+// The largest score of a row's first cnt keys.
+inline float row_max_of(const float* s, int64_t cnt) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  if (cnt >= kLanes) {
+    Vec vm = Vec::loadu(s);
+    for (j = kLanes; j + kLanes <= cnt; j += kLanes) vm = at::vec::maximum(vm, Vec::loadu(s + j));
+    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vm);
+  }
+  for (; j < cnt; ++j) m = std::max(m, s[j]);
+  return m;
 }
 
 struct Item {
@@ -133,8 +295,9 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   });
 }
 
-// kD: the head size where it is a common one (compiled for it), else 0.
-template <typename T, int kD>
+// kD: the head size where it is a common one (compiled for it), else 0. P: how K is packed
+// (KeyPack::Pairs only for bfloat16 with an even head size, on CPUs with AVX512-BF16).
+template <typename T, int kD, KeyPack P>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_cache_loc,
                   const at::Tensor& kv_slots, const at::Tensor& prefix_lens,
@@ -143,6 +306,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t Hkv = k_cache.size(1), B = extend_lens.size(0), L = kv_slots.size(1);
   write_kv<T>(k, v, k_cache, v_cache, out_cache_loc);
 
+  constexpr bool kPairs = P == KeyPack::Pairs;
+  const int64_t E = kPairs ? D / 2 : D;  // 32-bit elements of a packed key
+  constexpr int kE = kD > 0 ? (kPairs ? kD / 2 : kD) : 0;
   const int64_t G = H / Hkv;  // query heads per KV head
   const int64_t q_block = std::max<int64_t>(1, kQueryRows / G);
   const int64_t* prefix = prefix_lens.data_ptr<int64_t>();
@@ -167,6 +333,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t* slots_all = kv_slots.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float fscale = static_cast<float>(scale);
   // A work unit takes every KV head of its item, reading each slot's K and V rows whole (one
   // contiguous run of memory per slot), unless there are too few items to keep every thread busy.
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -177,10 +344,19 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   // Dynamic scheduling: a causal prefill's later blocks cost more than its first ones.
 #pragma omp parallel if (num_work > 1 && !omp_in_parallel())
   {
-    // Row r of head h (h counted from the unit's first head) is at [h * R + r].
+    // Row r of head h (h counted from the unit's first head) is at [h * R + r]. The query rows
+    // as float32, pre-scaled, or (kPairs) as the bfloat16 pairs vdpbf16ps reads, unscaled.
     const int64_t rows_max = q_block * G * heads_per_unit;
-    std::vector<float> qbuf(rows_max * D), acc(rows_max * D), scores(q_block * G * kBlockKeys);
-    std::vector<float> row_max(rows_max), row_sum(rows_max);
+    std::vector<float> qbuf(kPairs ? 0 : rows_max * D), acc(rows_max * D);
+    std::vector<uint32_t> qpairs(kPairs ? rows_max * E : 0);
+    std::vector<float> scores(q_block * G * kBlockKeys), row_max(rows_max), row_sum(rows_max);
+    std::vector<uint32_t> ktile(kChunks * E * kLanes);
+    // A bfloat16 block's V rows widened once for all row groups, where there are several.
+    std::vector<float> vtile(std::is_same_v<T, float> ? 0 : kBlockKeys * D);
+    std::vector<const float*> vtile_rows(kBlockKeys);
+    for (int64_t j = 0; j < static_cast<int64_t>(vtile.size()) / D; ++j) {
+      vtile_rows[j] = vtile.data() + j * D;
+    }
     std::vector<int64_t> row_keys(q_block * G);
     std::vector<const T*> krows(kBlockKeys), vrows(kBlockKeys);
 #pragma omp for schedule(dynamic, 1)
@@ -188,6 +364,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const Item& it = items[w / units_per_item];
       const int64_t h_begin = (w % units_per_item) * heads_per_unit;
       const int64_t R = (it.q_end - it.q_begin) * G;  // row r: token q_begin + r / G, head r % G
+      // Past 64 elements a head, a decode's rows take half the keys a block: a head's K and V
+      // rows of 64 keys and its packed keys outgrew L1 (a decode step of 64 at 32/8 x 128, slots
+      // in a row, ran ~20% slower at 64 keys than at 32). A prefill tile's many rows keep 64,
+      // which it reuses more.
+      const int64_t block_keys = D > 64 && R <= kRowGroup ? kBlockKeys / 2 : kBlockKeys;
       const int64_t tok0 = first_token[it.seq] + it.q_begin;
       const int64_t* slots = slots_all + it.seq * L;
       for (int64_t r = 0; r < R; ++r) {
@@ -198,8 +379,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const int64_t h = h_begin + hh;
         for (int64_t r = 0; r < R; ++r) {
           const T* src = qp + (tok0 + r / G) * q.stride(0) + (h * G + r % G) * q.stride(1);
-          float* dst = qbuf.data() + (hh * R + r) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
+          if constexpr (kPairs) {
+            std::memcpy(qpairs.data() + (hh * R + r) * E, src, D * sizeof(T));
+          } else {
+            float* dst = qbuf.data() + (hh * R + r) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
+          }
           row_max[hh * R + r] = neg_inf;
           row_sum[hh * R + r] = 0.f;
         }
@@ -207,8 +392,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       std::fill(acc.begin(), acc.begin() + heads_per_unit * R * D, 0.f);
       const int64_t row_floats = heads_per_unit * D;  // what this unit reads of a slot's row
       const int64_t kv_end = prefix[it.seq] + it.q_end;
-      for (int64_t j0 = 0; j0 < kv_end; j0 += kBlockKeys) {
-        const int64_t n = std::min(kBlockKeys, kv_end - j0);
+      for (int64_t j0 = 0; j0 < kv_end; j0 += block_keys) {
+        const int64_t n = std::min(block_keys, kv_end - j0);
+        const int64_t nchunks = (n + kLanes - 1) / kLanes;
         for (int64_t j = 0; j < n; ++j) {
           krows[j] = kc + (slots[j0 + j] * Hkv + h_begin) * D;
           vrows[j] = vc + (slots[j0 + j] * Hkv + h_begin) * D;
@@ -219,11 +405,36 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           }
         }
         for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
-          const float* qh = qbuf.data() + hh * R * D;
           float* acch = acc.data() + hh * R * D;
+          for (int64_t c = 0; c < nchunks; ++c) {
+            pack_key_chunk<P>(krows.data() + c * kLanes, hh * D,
+                              std::min<int64_t>(kLanes, n - c * kLanes), E,
+                              ktile.data() + c * E * kLanes);
+          }
+          const bool widen_v = !std::is_same_v<T, float> && R > kRowGroup;
+          for (int64_t j = 0; widen_v && j < n; ++j) {
+            const T* src = vrows[j] + hh * D;
+            float* dst = vtile.data() + j * D;
+            int64_t d = 0;
+            for (; d + kLanes <= D; d += kLanes) load_float(src + d).store(dst + d);
+            for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+          }
           for_row_groups(R, [&](auto rn, int64_t r0) {
-            score_rows<rn, kD>(qh + r0 * D, krows.data(), hh * D, n, D,
-                               scores.data() + r0 * kBlockKeys);
+            constexpr int RN = decltype(rn)::value;
+            float* s = scores.data() + r0 * kBlockKeys;
+            for_key_chunks<RN>(nchunks, [&](auto nc, int64_t c) {
+              constexpr int NC = decltype(nc)::value;
+#if defined(__AVX512BF16__) && defined(RADIXSERVE_ATTN_AVX512)
+              if constexpr (kPairs) {
+                score_key_pairs<RN, NC, kE>(qpairs.data() + (hh * R + r0) * E, E, ktile.data(),
+                                            c, fscale, s);
+                return;
+              }
+#endif
+              if constexpr (!kPairs) {
+                score_keys<RN, NC, kE>(qbuf.data() + (hh * R + r0) * E, E, ktile.data(), c, s);
+              }
+            });
           });
           for (int64_t r = 0; r < R; ++r) {
             const int64_t cnt = std::max<int64_t>(0, std::min(n, row_keys[r] - j0));
@@ -231,13 +442,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             std::fill(s + cnt, s + n, 0.f);  // keys past the row's causal end weigh nothing
             if (cnt == 0) continue;
             float& m = row_max[hh * R + r];
-            const float new_max = std::max(m, *std::max_element(s, s + cnt));
+            const float new_max = std::max(m, row_max_of(s, cnt));
             const float rescale = std::exp(m - new_max);
             const Vec vmax(new_max);
             Vec vsum(0.f);
             int64_t j = 0;
             for (; j + kLanes <= cnt; j += kLanes) {
-              const Vec p = (Vec::loadu(s + j) - vmax).exp();
+              const Vec p = (Vec::loadu(s + j) - vmax).exp_u20();
               p.store(s + j);
               vsum = vsum + p;
             }
@@ -251,8 +462,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             if (rescale != 1.f) scale_inplace(acch + r * D, rescale, D);
           }
           for_row_groups(R, [&](auto rn, int64_t r0) {
-            accumulate_rows<rn>(scores.data() + r0 * kBlockKeys, vrows.data(), hh * D, n, D,
-                                acch + r0 * D);
+            constexpr int RN = decltype(rn)::value;
+            const float* p = scores.data() + r0 * kBlockKeys;
+            if (widen_v) {
+              accumulate_rows<RN>(p, vtile_rows.data(), 0, n, D, acch + r0 * D);
+            } else {
+              accumulate_rows<RN>(p, vrows.data(), hh * D, n, D, acch + r0 * D);
+            }
           });
         }
       }
@@ -333,8 +549,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   check_lengths(q, k, v, k_cache, v_cache, out_cache_loc, kv_slots, prefix_lens, extend_lens);
   return RADIXSERVE_DISPATCH_FLOAT(q, "paged_attention", [&] {
     const auto run = [&](auto head_size) {
-      return attend<scalar_t, decltype(head_size)::value>(
-          q, k, v, k_cache, v_cache, out_cache_loc, kv_slots, prefix_lens, extend_lens, scale);
+      constexpr int kD = decltype(head_size)::value;
+      const auto with = [&](auto pack) {
+        return attend<scalar_t, kD, decltype(pack)::value>(
+            q, k, v, k_cache, v_cache, out_cache_loc, kv_slots, prefix_lens, extend_lens, scale);
+      };
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        return with(std::integral_constant<KeyPack, KeyPack::Float>{});
+      } else {
+#if defined(__AVX512BF16__) && defined(RADIXSERVE_ATTN_AVX512)
+        if (q.size(2) % 2 == 0) return with(std::integral_constant<KeyPack, KeyPack::Pairs>{});
+#endif
+        return with(std::integral_constant<KeyPack, KeyPack::Widened>{});
+      }
     };
     switch (q.size(2)) {
       case 64: return run(std::integral_constant<int, 64>{});
