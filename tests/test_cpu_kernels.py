@@ -325,3 +325,41 @@ def _one_prompt_batch(n: int):
         kv_slots=slots[None],
         sampling=make_info(1),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])
+# 64: the 0.5B's and SmolLM2's heads; 128: Qwen3-8B's; 48: the general loop.
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_paged_attention_rows_do_not_depend_on_their_batch(kernel_ops, dtype, head_dim) -> None:
+    """A query row's attention, bit for bit, whether it is the one token of a decode or a row of
+    a prefill chunk: a prefix-cache hit, a chunked prefill and a speculative verify (rows of an
+    extend) then continue exactly as decoding would."""
+    if dtype == BF16 and not has_native_bf16():
+        pytest.skip("no bfloat16 in hardware")
+    heads, kv_heads, prefix, extend = 8, 2, 100, 21  # 4 query heads a KV head, as Qwen3-8B
+    gen = torch.Generator().manual_seed(head_dim)
+    k_cache = torch.randn(256, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(256, kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(256, generator=gen)[: prefix + extend].view(1, -1)
+    q = torch.randn(extend, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(extend, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(extend, kv_heads, head_dim, generator=gen).to(dtype)
+
+    def attend(first: int) -> torch.Tensor:
+        """Rows first.. of the extend, over the prefix and the rows before them."""
+        return torch.ops.radixserve.paged_attention(
+            q[first:],
+            k[first:],
+            v[first:],
+            k_cache,
+            v_cache,
+            slots[0, prefix + first :],
+            slots,
+            torch.tensor([prefix + first]),
+            torch.tensor([extend - first]),
+            head_dim**-0.5,
+        )
+
+    chunk = attend(0)
+    for first in (extend - 1, extend - 2, 7):  # a decode, two rows, a shorter chunk
+        assert torch.equal(attend(first), chunk[first:]), first

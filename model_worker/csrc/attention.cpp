@@ -364,11 +364,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const Item& it = items[w / units_per_item];
       const int64_t h_begin = (w % units_per_item) * heads_per_unit;
       const int64_t R = (it.q_end - it.q_begin) * G;  // row r: token q_begin + r / G, head r % G
-      // Past 64 elements a head, a decode's rows take half the keys a block: a head's K and V
-      // rows of 64 keys and its packed keys outgrew L1 (a decode step of 64 at 32/8 x 128, slots
-      // in a row, ran ~20% slower at 64 keys than at 32). A prefill tile's many rows keep 64,
-      // which it reuses more.
-      const int64_t block_keys = D > 64 && R <= kRowGroup ? kBlockKeys / 2 : kBlockKeys;
+      // Past 64 elements a head, half the keys a block: a head's K and V rows of 64 keys and its
+      // packed keys outgrew L1 (a decode step of 64 at 32/8 x 128, slots in a row, ran ~20%
+      // slower at 64 keys than at 32). By the head size alone, never by the rows: the blocks
+      // fix the order of the softmax's sums, so a row's result would otherwise depend on
+      // whether it came as a decode or in a prefill chunk.
+      const int64_t block_keys = D > 64 ? kBlockKeys / 2 : kBlockKeys;
       const int64_t tok0 = first_token[it.seq] + it.q_begin;
       const int64_t* slots = slots_all + it.seq * L;
       for (int64_t r = 0; r < R; ++r) {
