@@ -67,8 +67,9 @@ def test_paged_attention_equals_torch_native(kernel_ops, lens, head_dim) -> None
 
 
 @needs_native_bf16
-# 64 and 128: vdpbf16ps on whole 16-pair transposes; 48: 24 pairs, the last 8 packed one by one.
-@pytest.mark.parametrize("head_dim", [64, 128, 48])
+# 64 and 128: vdpbf16ps on whole 16-pair transposes; 48: 24 pairs, the last 8 packed one by one;
+# 33 (odd, no pairs): the keys widened to float32, the pack CPUs without AVX512-BF16 would take.
+@pytest.mark.parametrize("head_dim", [64, 128, 48, 33])
 def test_paged_attention_in_bfloat16_is_close_to_torch_native(kernel_ops, head_dim) -> None:
     heads, kv_heads = 9, 3
     outs, pools = [], []
@@ -84,6 +85,18 @@ def test_paged_attention_in_bfloat16_is_close_to_torch_native(kernel_ops, head_d
     close_in_bf16(outs[1], outs[0])
     assert torch.equal(pools[1].k_buffers[0], pools[0].k_buffers[0])
     assert torch.equal(pools[1].v_buffers[0], pools[0].v_buffers[0])
+
+
+def test_paged_attention_decodes_more_query_heads_than_a_row_group(kernel_ops) -> None:
+    """14 query heads on one KV head: a decode's 14 rows take a group of 8 and one of 6, and take
+    64-key blocks (a decode of at most 8 rows takes 32 past 64 elements a head); head size 80
+    ends P x V on one vector of 16 lanes (AVX-512) after two pairs."""
+    pool = TokenToKVPool(512, 1, 1, 80, dtype=torch.float32, device=CPU)
+    zero_unwritten_slots(pool)
+    lens = [(150, 1), (31, 1), (0, 1), (40, 3)]
+    case = make_batch(pool, lens, 14, torch.Generator().manual_seed(2))
+    out = run_backend("cpu_attn", case)
+    torch.testing.assert_close(out, run_backend("torch_native", case), atol=1e-5, rtol=1e-5)
 
 
 def test_cpu_attn_in_bfloat16_needs_it_in_hardware() -> None:

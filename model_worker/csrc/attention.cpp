@@ -11,7 +11,9 @@
 // buffer holds bfloat16 pairs and vdpbf16ps takes two elements a lane (the scale applied to the
 // sums). P x V: each V row is a vector, widened to float32 once per row group (once per block,
 // into a buffer, where the rows span several groups), each probability a broadcast, the rows'
-// sums in registers. Softmax's exp is ATen's exp_u20 (within 20 ulp, as ATen's flash attention).
+// sums in registers. Softmax's exp is ATen's exp_u20 on whole vectors of a row's scores (within
+// 20 ulp, as ATen's flash attention); the keys past its last whole vector, and the rescale of
+// its sums, take std::exp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -35,7 +37,7 @@
 namespace radixserve {
 namespace {
 
-constexpr int64_t kBlockKeys = 64;    // keys scored per step of the online softmax
+constexpr int64_t kBlockKeys = 64;    // keys a step of the online softmax scores, at most
 constexpr int64_t kChunks = kBlockKeys / kLanes;  // key vectors (of kLanes keys) in a block
 constexpr int64_t kQueryRows = 64;    // query rows (tokens x heads of one KV head) per work item
 constexpr int64_t kPrefetchKeys = 8;  // keys ahead whose K and V rows are prefetched
@@ -49,8 +51,9 @@ inline void prefetch_row(const T* row, int64_t D) {
 }
 
 // How a block's K rows are packed, as 32-bit elements: float32 values (Float), bfloat16 pairs
-// for vdpbf16ps (Pairs), or bfloat16 values widened to float32 (Widened: bfloat16 on a CPU
-// without AVX512-BF16, which the backend selection keeps off cpu_attn, but which must work).
+// for vdpbf16ps (Pairs), or bfloat16 values widened to float32 (Widened: bfloat16 with an odd
+// head size, or on a build without AVX512-BF16, which the backend selection keeps off cpu_attn
+// but which must work).
 enum class KeyPack { Float, Pairs, Widened };
 
 template <KeyPack P, typename T>
