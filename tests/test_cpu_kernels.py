@@ -88,9 +88,9 @@ def test_paged_attention_in_bfloat16_is_close_to_torch_native(kernel_ops, head_d
 
 
 def test_paged_attention_decodes_more_query_heads_than_a_row_group(kernel_ops) -> None:
-    """14 query heads on one KV head: a decode's 14 rows take a group of 8 and one of 6, and take
-    64-key blocks (a decode of at most 8 rows takes 32 past 64 elements a head); head size 80
-    ends P x V on one vector of 16 lanes (AVX-512) after two pairs."""
+    """14 query heads on one KV head: a decode's 14 rows take a group of 8 and one of 6, in
+    blocks of 32 keys (past 64 elements a head); head size 80 ends P x V on one vector of 16
+    lanes (AVX-512) after two pairs."""
     pool = TokenToKVPool(512, 1, 1, 80, dtype=torch.float32, device=CPU)
     zero_unwritten_slots(pool)
     lens = [(150, 1), (31, 1), (0, 1), (40, 3)]
