@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--measured", default="", help='"name dtype=tok/s, ..." to compare')
     args = parser.parse_args()
+    measured = parse_measured(args.measured)
     config = ModelConfig.from_dir(resolve_model_path(args.model))
     cores = len(os.sched_getaffinity(0))
     prompt_macs, one = request_macs(config, args.input_len, args.output_len)
@@ -152,7 +153,7 @@ def main() -> None:
             f"| {kind} | {instruction} | {peak / 1e9:.0f} | {peak * cores / 1e9:.0f} | "
             f"{floor:.2f} | {roofs[kind]:.0f} | {ttft_macs / (peak * cores):.2f} |"
         )
-    for label, kind, value in parse_measured(args.measured):
+    for label, kind, value in measured:
         roof = roofs.get(kind)
         if roof is None:
             print(f"- {label}: no {kind} roof on this CPU")
