@@ -18,34 +18,18 @@ machine). Pin it (`taskset -c 1`) for one-thread figures.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import statistics
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from compute_roof import core_peak_macs
 
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.model_source import resolve_model_path
 from radixserve.model_worker.quantization import Int8Weight, int8_small_rows, vnni_kernel_available
 from radixserve.process_setup import keep_freed_memory
-
-# 24 independent vpdpbusd on zmm registers a round: nothing but the instruction's throughput.
-_PEAK_ROUNDS = 20_000_000
-_PEAK_SOURCE = (
-    "#include <stdint.h>\n"
-    "void dpbusd_loop(int64_t n) {\n"
-    '  __asm__ volatile("1:\\n"'
-    + "".join(f'"vpdpbusd %%zmm30, %%zmm31, %%zmm{i}\\n"' for i in range(24))
-    + '"dec %0\\n" "jnz 1b\\n" : "+r"(n) : : '
-    + ", ".join(f'"xmm{i}"' for i in (*range(24), 30, 31))
-    + ', "cc");\n}\n'
-)
 
 
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -69,24 +53,6 @@ def best_ms(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) 
         fn()
         best = min(best, clock() - start)
     return best * 1e3
-
-
-def vnni_peak_gops() -> float:
-    """One thread's GOPS in a loop of independent vpdpbusd (zmm), compiled here with $CC."""
-    with tempfile.TemporaryDirectory() as tmp:
-        source, library = Path(tmp, "peak.c"), Path(tmp, "peak.so")
-        source.write_text(_PEAK_SOURCE)
-        compiler = os.environ.get("CC", "cc")
-        flags = ["-O2", "-mavx512f", "-shared", "-fPIC"]
-        subprocess.run([compiler, *flags, source, "-o", library], check=True)
-        loop = ctypes.CDLL(str(library)).dpbusd_loop
-        loop.argtypes = [ctypes.c_int64]
-        best = float("inf")
-        for _ in range(3):
-            start = time.thread_time()
-            loop(_PEAK_ROUNDS)
-            best = min(best, time.thread_time() - start)
-    return _PEAK_ROUNDS * 24 * 64 * 2 / best / 1e9
 
 
 def one_row_cold(config: ModelConfig, turns: int = 30) -> None:
@@ -144,7 +110,9 @@ def main() -> None:
     print(f"{args.model}, {args.threads} thread(s), best of {args.repeats} in two turns")
     print(f"plain: int8_linear below {int8_small_rows()} rows, int8_gemm from there on")
     if args.peak and has_vnni:
-        print(f"vpdpbusd loop, one thread: {vnni_peak_gops():.0f} GOPS")
+        peak = core_peak_macs("int8")
+        assert peak is not None  # has_vnni
+        print(f"vpdpbusd loop, one thread: {2 * peak / 1e9:.0f} GOPS")
     if not has_vnni:
         print("no AVX512-VNNI here: the VNNI columns stay empty")
     elif args.one_row_cold:
