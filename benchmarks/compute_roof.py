@@ -9,12 +9,12 @@ matmuls run on, on every core.
 Counts each request's multiply-adds: its prompt through every decoder layer's linears and
 attention, the LM head on its last prompt token only, then output_len - 1 decode tokens through
 all of it (the first output token comes with the prompt). Times, on one core, a loop of
-independent instructions on zmm registers (no memory): vdpbf16ps (bfloat16 pairs, where the CPU
-has AVX512-BF16), vpdpbusd (int8 quads, with AVX512-VNNI) and vfmadd231ps (float32), compiled
-here with $CC, and multiplies by the cores this process may use. The attention's multiply-adds are
-counted at the matmuls' rate, which they never reach: the roof is an upper bound, as it should be.
-With AMX the matmuls run on tiles that this does not time: it says so and the roof is not
-this CPU's.
+independent instructions on registers (no memory): vdpbf16ps (bfloat16 pairs, where the CPU has
+AVX512-BF16), vpdpbusd (int8 quads, with AVX512-VNNI) and vfmadd231ps (float32, on zmm with
+AVX-512, else on ymm with AVX2), compiled here with $CC, and multiplies by the cores this
+process may use. The attention's multiply-adds are counted at the matmuls' rate, which they
+never reach: the roof is an upper bound, as it should be. With AMX the matmuls run on tiles that
+this does not time: it says so, and the roof is not this CPU's.
 
 `--measured` takes "name dtype=tok/s" pairs (dtype bf16, int8 or fp32) and prints each as a share
 of its dtype's roof; a ratio asked against a peer (e.g. 1.5x vLLM) is possible only where that
@@ -38,47 +38,66 @@ from radixserve.model_worker.model_source import resolve_model_path
 _ROUNDS = 20_000_000
 _ACCUMULATORS = 24  # independent chains, more than latency x throughput on any of these cores
 
-# name -> (instruction, compiler flags, CPU flags needed, multiply-adds per instruction)
-_LOOPS = {
-    "bf16": ("vdpbf16ps", ["-mavx512f", "-mavx512bf16"], {"avx512_bf16"}, 32),
-    "int8": ("vpdpbusd", ["-mavx512f", "-mavx512vnni"], {"avx512_vnni"}, 64),
-    "fp32": ("vfmadd231ps", ["-mavx512f"], {"avx512f"}, 16),
+Loop = tuple[str, str, list[str], set[str], int]
+
+# dtype -> its loop on the widest registers the CPU has, in order of preference: (instruction,
+# registers, compiler flags, CPU flags needed, multiply-adds per instruction)
+_LOOPS: dict[str, list[Loop]] = {
+    "bf16": [("vdpbf16ps", "zmm", ["-mavx512f", "-mavx512bf16"], {"avx512_bf16"}, 32)],
+    "int8": [("vpdpbusd", "zmm", ["-mavx512f", "-mavx512vnni"], {"avx512_vnni"}, 64)],
+    "fp32": [
+        ("vfmadd231ps", "zmm", ["-mavx512f"], {"avx512f"}, 16),
+        ("vfmadd231ps", "ymm", ["-mavx2", "-mfma"], {"avx2", "fma"}, 8),
+    ],
 }
 
 
-def _loop_source(instruction: str) -> str:
-    body = "".join(f'"{instruction} %%zmm30, %%zmm31, %%zmm{i}\\n"' for i in range(_ACCUMULATORS))
-    clobbers = ", ".join(f'"xmm{i}"' for i in (*range(_ACCUMULATORS), 30, 31))
+def _loop_source(instruction: str, registers: str) -> tuple[str, int]:
+    """The loop's C source, and its chains (ymm0-15 only without AVX-512: 12 there, 24 on zmm)."""
+    chains = _ACCUMULATORS if registers == "zmm" else 12
+    a, b = (30, 31) if registers == "zmm" else (14, 15)
+    body = "".join(
+        f'"{instruction} %%{registers}{a}, %%{registers}{b}, %%{registers}{i}\\n"'
+        for i in range(chains)
+    )
+    clobbers = ", ".join(f'"xmm{i}"' for i in (*range(chains), a, b))
     return (
         "#include <stdint.h>\n"
         "void peak_loop(int64_t n) {\n"
         f'  __asm__ volatile("1:\\n" {body} "dec %0\\n" "jnz 1b\\n"\n'
         f'                   : "+r"(n) : : {clobbers}, "cc");\n'
         "}\n"
-    )
+    ), chains
+
+
+def loop_for(kind: str) -> Loop | None:
+    """The loop that times `kind` here; None where the CPU has no instruction for it."""
+    return next((loop for loop in _LOOPS[kind] if loop[3] <= cpu_flags()), None)
 
 
 def core_peak_macs(kind: str) -> float | None:
     """One core's multiply-adds per second in the loop of `kind`'s instruction; None where the
     CPU lacks it."""
-    instruction, flags, needed, per_instruction = _LOOPS[kind]
-    if not needed <= cpu_flags():
+    loop = loop_for(kind)
+    if loop is None:
         return None
+    instruction, registers, flags, _, per_instruction = loop
+    source_text, chains = _loop_source(instruction, registers)
     with tempfile.TemporaryDirectory() as tmp:
         source, library = Path(tmp, "peak.c"), Path(tmp, "peak.so")
-        source.write_text(_loop_source(instruction))
+        source.write_text(source_text)
         compiler = os.environ.get("CC", "cc")
         subprocess.run(
             [compiler, "-O2", *flags, "-shared", "-fPIC", source, "-o", library], check=True
         )
-        loop = ctypes.CDLL(str(library)).peak_loop
-        loop.argtypes = [ctypes.c_int64]
+        peak_loop = ctypes.CDLL(str(library)).peak_loop
+        peak_loop.argtypes = [ctypes.c_int64]
         best = float("inf")
         for _ in range(3):
             start = time.thread_time()
-            loop(_ROUNDS)
+            peak_loop(_ROUNDS)
             best = min(best, time.thread_time() - start)
-    return _ROUNDS * _ACCUMULATORS * per_instruction / best
+    return _ROUNDS * chains * per_instruction / best
 
 
 def request_macs(config: ModelConfig, input_len: int, output_len: int) -> tuple[float, float]:
@@ -90,7 +109,8 @@ def request_macs(config: ModelConfig, input_len: int, output_len: int) -> tuple[
     lm_head = config.vocab_size * hidden
 
     def attention(positions: range) -> float:
-        # A token at position p attends to p + 1 keys: q . k and p . v, q multiply-adds each.
+        # A token at position p attends to p + 1 keys: its scores and its weighted sum of the
+        # values take q multiply-adds a key each.
         return config.num_hidden_layers * 2 * q * sum(p + 1 for p in positions)
 
     prompt = input_len * linears + lm_head + attention(range(input_len))
@@ -99,13 +119,21 @@ def request_macs(config: ModelConfig, input_len: int, output_len: int) -> tuple[
 
 
 def parse_measured(text: str) -> list[tuple[str, str, float]]:
+    """ "name dtype=tok/s, ..." -> [(name, dtype, tok/s)]."""
     out = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, value = item.rsplit("=", 1)
-        label, kind = name.rsplit(" ", 1)
-        if kind not in _LOOPS:
-            raise SystemExit(f"--measured: dtype {kind!r} of {item!r}: one of {', '.join(_LOOPS)}")
-        out.append((label, kind, float(value)))
+        name, _, value = item.rpartition("=")
+        label, _, kind = name.strip().rpartition(" ")
+        try:
+            figure = float(value)
+        except ValueError:
+            figure = -1.0
+        if not label or kind not in _LOOPS or figure <= 0:
+            raise SystemExit(
+                f"--measured: {item!r} is not 'name dtype=tok/s' (dtype one of "
+                f"{', '.join(_LOOPS)}, tok/s a positive number)"
+            )
+        out.append((label, kind, figure))
     return out
 
 
@@ -142,11 +170,12 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     roofs: dict[str, float] = {}
-    for kind, (instruction, *_rest) in _LOOPS.items():
-        peak = core_peak_macs(kind)
-        if peak is None:
-            print(f"| {kind} | {instruction} | not on this CPU | | | | |")
+    for kind, loops in _LOOPS.items():
+        loop, peak = loop_for(kind), core_peak_macs(kind)
+        if loop is None or peak is None:
+            print(f"| {kind} | {loops[0][0]} | not on this CPU | | | | |")
             continue
+        instruction = f"{loop[0]} ({loop[1]})"
         floor = macs / (peak * cores)
         roofs[kind] = outputs / floor
         print(
