@@ -87,6 +87,52 @@ def test_paged_attention_in_bfloat16_is_close_to_torch_native(kernel_ops, head_d
     assert torch.equal(pools[1].v_buffers[0], pools[0].v_buffers[0])
 
 
+@needs_native_bf16
+# 64 and 128: P x V on whole vectors of pairs; 80: one more vector of 16; 40: 8 lanes one by one.
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 40])
+def test_paged_attention_in_bfloat16_is_within_its_roundings(kernel_ops, head_dim) -> None:
+    """Against float64 on the same bfloat16 values: within the output's rounding and the
+    probabilities' (P x V on bfloat16 pairs, as FlashAttention rounds P), much tighter than
+    close_in_bf16, so that a key paired with the wrong probability or a lost partner shows.
+    Decodes at odd and even context lengths and a prefill chunk (its rows over several groups)."""
+    heads, kv_heads, lens = 8, 2, [(150, 1), (33, 1), (0, 1), (64, 1), (100, 21)]
+    gen = torch.Generator().manual_seed(head_dim)
+    slots_needed = sum(p + e for p, e in lens)
+    k_cache = torch.randn(slots_needed, kv_heads, head_dim, generator=gen).to(BF16)
+    v_cache = torch.randn(slots_needed, kv_heads, head_dim, generator=gen).to(BF16)
+    order = torch.randperm(slots_needed, generator=gen)
+    width = max(p + e for p, e in lens)
+    kv_slots = torch.zeros(len(lens), width, dtype=torch.long)
+    start = 0
+    for b, (p, e) in enumerate(lens):
+        kv_slots[b, : p + e] = order[start : start + p + e]
+        start += p + e
+    tokens = sum(e for _, e in lens)
+    q = (2 * torch.randn(tokens, heads, head_dim, generator=gen)).to(BF16)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(BF16)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(BF16)
+    new_slots = torch.cat([kv_slots[b, p : p + e] for b, (p, e) in enumerate(lens)])
+    out = torch.ops.radixserve.paged_attention(
+        q, k, v, k_cache, v_cache, new_slots, kv_slots,
+        torch.tensor([p for p, _ in lens]), torch.tensor([e for _, e in lens]), head_dim**-0.5,
+    ).double()  # fmt: skip
+    group = heads // kv_heads
+    row = 0
+    for b, (p, e) in enumerate(lens):
+        seq_slots = kv_slots[b, : p + e]
+        keys, values = k_cache[seq_slots].double(), v_cache[seq_slots].double()
+        for i in range(e):
+            seen = p + i + 1  # causal
+            for h in range(heads):
+                kv = h // group
+                scores = keys[:seen, kv] @ q[row + i, h].double() * head_dim**-0.5
+                probs = scores.softmax(-1)
+                exact = probs @ values[:seen, kv]
+                bound = exact.abs() * 2.0**-8 + (probs @ values[:seen, kv].abs()) * 2.0**-8
+                assert ((out[row + i, h] - exact).abs() <= bound + 1e-6).all(), (b, i, h)
+        row += e
+
+
 def test_paged_attention_decodes_more_query_heads_than_a_row_group(kernel_ops) -> None:
     """14 query heads on one KV head: a decode's 14 rows take a group of 8 and one of 6, in
     blocks of 32 keys (past 64 elements a head); head size 80 ends P x V on one vector of 16
