@@ -87,6 +87,12 @@ class Run:
         return sum(t.tokens for t in self.timings) / self.duration
 
     @property
+    def tokens_per_event(self) -> float:
+        """Tokens over streamed events (chunks): 1.0 where every event carried one token."""
+        events = sum(len(t.chunks) for t in self.timings)
+        return sum(t.tokens for t in self.timings) / max(1, events)
+
+    @property
     def ttfts(self) -> list[float]:
         return [t.chunks[0] - t.sent for t in self.timings]
 
@@ -97,8 +103,7 @@ class Run:
     @property
     def tpot_p50(self) -> float:
         """Per request, the time from its first streamed token to its last over the tokens after
-        the first (vLLM's TPOT): unlike ITL it holds when events carry no text (a random model's
-        tokens past the tokenizer's vocabulary), which an OpenAI stream does not count."""
+        the first (vLLM's TPOT): unlike ITL it holds where an event carries several tokens."""
         return statistics.median(
             (t.chunks[-1] - t.chunks[0]) / (t.tokens - t.chunk_tokens[0])
             for t in self.timings
@@ -155,8 +160,12 @@ def openai_sender(port: int, model: str) -> Send:
             data = json.loads(event)
             if data.get("usage"):
                 timing.tokens = data["usage"]["completion_tokens"]
-            if data.get("choices") and data["choices"][0].get("text"):
-                timing.add_chunk(1)  # vLLM and radixserve stream one token per event
+            if data.get("choices"):
+                # vLLM and radixserve stream an event per token, its text empty where the token
+                # decodes to none yet (a random model's ids past its tokenizer's vocabulary, an
+                # incomplete UTF-8 sequence): counting only events with text put a random
+                # model's first token many steps late. tokens_per_event says if one carried more.
+                timing.add_chunk(1)
         writer.close()
         return timing
 
@@ -319,6 +328,7 @@ def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | Non
             "TTFT p50": statistics.median(statistics.median(r.ttfts) for r in rs),
             "ITL p50": statistics.median(r.itl_p50 for r in rs),
             "TPOT p50": statistics.median(r.tpot_p50 for r in rs),
+            "tokens/event": statistics.median(r.tokens_per_event for r in rs),
         }
         for e, rs in runs.items()
     }
@@ -326,6 +336,7 @@ def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | Non
         print(
             f"- {e} (medians over rounds): {m['tok/s']:.1f} tok/s, TTFT p50 {m['TTFT p50']:.2f} s"
             f", ITL p50 {m['ITL p50'] * 1e3:.1f} ms, TPOT p50 {m['TPOT p50'] * 1e3:.1f} ms"
+            f", {m['tokens/event']:.2f} tokens an event"
         )
     if stream_s is not None:
         for e, m in med.items():
@@ -335,6 +346,8 @@ def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | Non
         _print_ratios("radixserve HTTP / ZMQ", med["radixserve-http"], med["radixserve"])
     if "vllm" in med:
         _print_ratios("radixserve / vLLM", med["radixserve"], med["vllm"])
+        if "radixserve-http" in med:  # the same client on both sides
+            _print_ratios("radixserve HTTP / vLLM", med["radixserve-http"], med["vllm"])
 
 
 def _print_ratios(label: str, a: dict[str, float], b: dict[str, float]) -> None:
