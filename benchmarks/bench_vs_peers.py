@@ -8,10 +8,11 @@ Both servers are started once and warmed up; then, round after round, each gets 
 requests in turn while the other idles. Two workloads: --num-requests sent at once (128-token
 prompts of random ids, 128 new tokens, ignore_eos, greedy, streaming), and --latency-requests
 sent one at a time. Prints output tok/s, TTFT p50/p99, ITL p50 (over every gap between two
-streamed tokens), TPOT p50 (each request's time per token after its first) and the ratios of
-the medians over rounds, beside the time to read a decode
-step's weights once (weight_streaming.py): the floor of a step at concurrency 1, and each engine's
-time from its start to /health answering. Without a vLLM install, radixserve runs alone.
+streamed tokens), TPOT p50 (each request's time per token after its first), tokens an event
+(1.00 when every streamed event carried one token) and the ratios of the medians over rounds,
+beside the time to read a decode step's weights once (weight_streaming.py): the floor of a step
+at concurrency 1, and each engine's time from its start to /health answering. Without a vLLM
+install, radixserve runs alone.
 
 Models too large for two engines at once (an 8B in 24 GiB) take `--one-engine-at-a-time`: each
 engine is started, measured and stopped before the next starts; `--cold` drops the checkpoint

@@ -11,10 +11,9 @@
 // buffer holds bfloat16 pairs and vdpbf16ps takes two elements a lane (the scale applied to the
 // sums). P x V: each V row is a vector, widened to float32 once per row group (once per block,
 // into a buffer, where the rows span several groups), each probability a broadcast, the rows'
-// sums in registers; with bfloat16 pairs, P is rounded to bfloat16 and V interleaved two keys a
-// lane once per block, and vdpbf16ps adds two keys' terms at once. Softmax's exp is ATen's
-// exp_u20 on whole vectors of a row's scores (within 20 ulp, as ATen's flash attention); the keys
-// past its last whole vector, and the rescale of its sums, take std::exp.
+// sums in registers. Softmax's exp is ATen's exp_u20 on whole vectors of a row's scores (within
+// 20 ulp, as ATen's flash attention); the keys past its last whole vector, and the rescale of
+// its sums, take std::exp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -179,102 +178,6 @@ void score_key_pairs(const uint32_t* q, int64_t E, const uint32_t* kt, int64_t c
   for (int i = 0; i < RN; ++i) {
     for (int c = 0; c < NC; ++c) {
       _mm512_storeu_ps(s + i * kBlockKeys + (c0 + c) * 16, _mm512_mul_ps(a[i][c], vscale));
-    }
-  }
-}
-
-// P x V on bfloat16 pairs of consecutive keys, as FlashAttention rounds P for its second
-// product: a lane of one vdpbf16ps adds two keys' terms (exact products, float32 sums), half
-// the instructions of a multiply-add per key on V widened to float32.
-constexpr int64_t kBlockPairs = kBlockKeys / 2;
-
-// pp[m] = (p[2m], p[2m+1]) in bfloat16, for the pairs of a row's first 16 * nchunks scores
-// (zero past the row's keys, so that a missing partner weighs nothing).
-inline void pack_probability_pairs(const float* p, int64_t nchunks, uint32_t* pp) {
-  for (int64_t c = 0; c < nchunks; c += 2) {
-    const __m512 lo = _mm512_loadu_ps(p + c * 16);
-    const __m512 hi = c + 1 < nchunks ? _mm512_loadu_ps(p + (c + 1) * 16) : _mm512_setzero_ps();
-    _mm512_storeu_si512(pp + c * 8, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-  }
-}
-
-// vp[m][d] = (v_2m[d], v_2m+1[d]) for a block's n V rows (from `offset` on); a missing partner
-// is zero.
-inline void pack_value_pairs(const at::BFloat16* const* rows, int64_t offset, int64_t n,
-                             int64_t D, uint32_t* vp) {
-  alignas(64) static constexpr uint16_t kLow[32] = {
-      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr uint16_t kHigh[32] = {
-      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
-  for (int64_t m = 0; 2 * m < n; ++m) {
-    const uint16_t* a = reinterpret_cast<const uint16_t*>(rows[2 * m] + offset);
-    const uint16_t* b =
-        2 * m + 1 < n ? reinterpret_cast<const uint16_t*>(rows[2 * m + 1] + offset) : nullptr;
-    uint32_t* dst = vp + m * D;
-    int64_t d = 0;
-    for (; d + 32 <= D; d += 32) {
-      const __m512i va = _mm512_loadu_si512(a + d);
-      const __m512i vb = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(va, low, vb));
-      _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(va, high, vb));
-    }
-    for (; d < D; ++d) dst[d] = a[d] | (b ? static_cast<uint32_t>(b[d]) << 16 : 0u);
-  }
-}
-
-// acc[i] += sum_m pp[i][m] . vp[m] for RN query rows over npairs key pairs: each packed V
-// vector loaded once for all RN rows, two vectors of each row's sums in registers.
-template <int RN>
-void accumulate_pairs(const uint32_t* pp, const uint32_t* vp, int64_t npairs, int64_t D,
-                      float* acc) {
-  int64_t d = 0;
-  for (; d + 32 <= D; d += 32) {
-    __m512 a[RN][2];
-    for (int i = 0; i < RN; ++i) {
-      a[i][0] = _mm512_loadu_ps(acc + i * D + d);
-      a[i][1] = _mm512_loadu_ps(acc + i * D + d + 16);
-    }
-    for (int64_t m = 0; m < npairs; ++m) {
-      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp + m * D + d);
-      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vp + m * D + d + 16);
-      for (int i = 0; i < RN; ++i) {
-        const __m512bh pv = (__m512bh)_mm512_set1_epi32(pp[i * kBlockPairs + m]);
-        a[i][0] = _mm512_dpbf16_ps(a[i][0], pv, v0);
-        a[i][1] = _mm512_dpbf16_ps(a[i][1], pv, v1);
-      }
-    }
-    for (int i = 0; i < RN; ++i) {
-      _mm512_storeu_ps(acc + i * D + d, a[i][0]);
-      _mm512_storeu_ps(acc + i * D + d + 16, a[i][1]);
-    }
-  }
-  for (; d + 16 <= D; d += 16) {
-    __m512 a[RN];
-    for (int i = 0; i < RN; ++i) a[i] = _mm512_loadu_ps(acc + i * D + d);
-    for (int64_t m = 0; m < npairs; ++m) {
-      const __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + m * D + d);
-      for (int i = 0; i < RN; ++i) {
-        a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(pp[i * kBlockPairs + m]), vv);
-      }
-    }
-    for (int i = 0; i < RN; ++i) _mm512_storeu_ps(acc + i * D + d, a[i]);
-  }
-  const auto half = [](uint32_t pair, int k) {  // bfloat16 k of a pair, as float32
-    const uint32_t bits = k == 0 ? pair << 16 : pair & 0xFFFF0000u;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  };
-  for (; d < D; ++d) {
-    for (int64_t m = 0; m < npairs; ++m) {
-      const uint32_t v = vp[m * D + d];
-      for (int i = 0; i < RN; ++i) {
-        const uint32_t p = pp[i * kBlockPairs + m];
-        acc[i * D + d] += half(p, 0) * half(v, 0) + half(p, 1) * half(v, 1);
-      }
     }
   }
 }
@@ -452,14 +355,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     std::vector<float> scores(q_block * G * kBlockKeys), row_max(rows_max), row_sum(rows_max);
     std::vector<uint32_t> ktile(kChunks * E * kLanes);
     // A bfloat16 block's V rows widened once for all row groups, where there are several.
-    std::vector<float> vtile(kPairs || std::is_same_v<T, float> ? 0 : kBlockKeys * D);
+    std::vector<float> vtile(std::is_same_v<T, float> ? 0 : kBlockKeys * D);
     std::vector<const float*> vtile_rows(kBlockKeys);
     for (int64_t j = 0; j < static_cast<int64_t>(vtile.size()) / D; ++j) {
       vtile_rows[j] = vtile.data() + j * D;
     }
-    // kPairs: a block's V rows and each row's probabilities as bfloat16 pairs of keys.
-    std::vector<uint32_t> vpairs(kPairs ? kBlockPairs * D : 0);
-    std::vector<uint32_t> ppairs(kPairs ? q_block * G * kBlockPairs : 0);
     std::vector<int64_t> row_keys(q_block * G);
     std::vector<const T*> krows(kBlockKeys), vrows(kBlockKeys);
 #pragma omp for schedule(dynamic, 1)
@@ -515,7 +415,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               std::min<int64_t>(kLanes, n - c * kLanes), E,
                               ktile.data() + c * E * kLanes);
           }
-          const bool widen_v = !kPairs && !std::is_same_v<T, float> && R > kRowGroup;
+          const bool widen_v = !std::is_same_v<T, float> && R > kRowGroup;
           for (int64_t j = 0; widen_v && j < n; ++j) {
             const T* src = vrows[j] + hh * D;
             float* dst = vtile.data() + j * D;
@@ -565,20 +465,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             m = new_max;
             if (rescale != 1.f) scale_inplace(acch + r * D, rescale, D);
           }
-#if defined(__AVX512BF16__) && defined(RADIXSERVE_ATTN_AVX512)
-          if constexpr (kPairs) {
-            pack_value_pairs(vrows.data(), hh * D, n, D, vpairs.data());
-            for (int64_t r = 0; r < R; ++r) {
-              pack_probability_pairs(scores.data() + r * kBlockKeys, nchunks,
-                                     ppairs.data() + r * kBlockPairs);
-            }
-            for_row_groups(R, [&](auto rn, int64_t r0) {
-              accumulate_pairs<decltype(rn)::value>(ppairs.data() + r0 * kBlockPairs,
-                                                    vpairs.data(), (n + 1) / 2, D, acch + r0 * D);
-            });
-            continue;
-          }
-#endif
           for_row_groups(R, [&](auto rn, int64_t r0) {
             constexpr int RN = decltype(rn)::value;
             const float* p = scores.data() + r0 * kBlockKeys;
