@@ -9,7 +9,9 @@ the difference of the two decodes, held back while it ends in half a character.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+import msgspec
 
 from radixserve.detokenizer.stop_matcher import StopMatcher
 from radixserve.protocol.internal import ReqStart, ReqStrOut, ReqTokenOut, StopReq
@@ -17,6 +19,8 @@ from radixserve.protocol.wire import FinishReason
 
 # What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
 REPLACEMENT_CHAR = "\ufffd"
+
+T = TypeVar("T")
 
 
 class BatchDecoder(Protocol):
@@ -182,6 +186,7 @@ class IncrementalDetokenizer:
     ) -> tuple[ReqStrOut, StopReq | None]:
         """The text to send now; a StopReq when a stop string matched in it."""
         reason = out.finished_reason
+        before = (state.held, state.prefix_offset, state.read_offset)
         if reason is None and (not new_text or new_text.endswith(REPLACEMENT_CHAR)):
             new_text = ""  # half a character: wait for the rest
         elif reason is None:
@@ -194,6 +199,7 @@ class IncrementalDetokenizer:
         if matcher is not None and matcher.feed(new_text):
             cut, matched = _find_stop(text, state.start.stop)
             text = text[:cut]
+            out = self._through_stop(out, state, *before)
             if reason is None:
                 state.stopped = Stopped(matched, out.completion_tokens)
                 stop_req = StopReq(out.rid, matched)
@@ -216,6 +222,39 @@ class IncrementalDetokenizer:
             input_top_logprobs=out.input_top_logprobs,
         )
         return str_out, stop_req
+
+    def _through_stop(
+        self, out: ReqTokenOut, state: DecodeState, held: str, prefix: int, read: int
+    ) -> ReqTokenOut:
+        """`out` without the tokens after the one that completes its stop string (with
+        speculation one output carries several tokens, as vLLM drops them): the text of each
+        shorter run of them, decoded from the offsets and held text before `out`, until one
+        holds a stop string."""
+        count = len(out.new_token_ids)
+        if count <= 1:
+            return out
+        first = len(state.ids) - count
+        runs = [state.ids[prefix:read]] + [state.ids[prefix : first + k] for k in range(1, count)]
+        context, *texts = self._batch_decode(runs, state.start.skip_special_tokens)
+        kept = count
+        for k, full in enumerate(texts, 1):
+            text = held + full[len(context) :]
+            if any(stop in text for stop in state.start.stop):
+                kept = k
+                break
+        if kept == count:
+            return out
+        return msgspec.structs.replace(
+            out,
+            new_token_ids=out.new_token_ids[:kept],
+            completion_tokens=out.completion_tokens - (count - kept),
+            output_token_logprobs=_first(out.output_token_logprobs, kept),
+            output_top_logprobs=_first(out.output_top_logprobs, kept),
+        )
+
+
+def _first(values: list[T] | None, n: int) -> list[T] | None:
+    return None if values is None else values[:n]
 
 
 def _find_stop(text: str, stops: list[str]) -> tuple[int, str]:

@@ -234,14 +234,38 @@ def test_stop_string_is_trimmed_and_the_scheduler_ends_the_request(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     # All at once: the text stops where the stop string starts, and the scheduler is asked to
     # end the request; until it has, the request is not finished.
-    (whole,), stops = detok.step([token_out("r", ids, stop=("\n\n",))])
-    assert whole.text == "Answer: 42." and whole.new_token_ids == ids
-    assert whole.finished_reason is None
+    # The tokens after the one that completes the stop string are not the request's (as vLLM
+    # drops them): one output carries several with speculation.
+    through = next(k for k in range(1, len(ids)) if "\n\n" in tokenizer.decode(ids[:k]))
+    assert through < len(ids) - 1  # "Next line" comes after it
+    out = token_out("r", ids, stop=("\n\n",))
+    out.output_token_logprobs = [(-0.5, i) for i in ids]
+    out.output_top_logprobs = [[(-0.5, i)] for i in ids]
+    (whole,), stops = detok.step([out])
+    assert whole.text == "Answer: 42." and whole.new_token_ids == ids[:through]
+    assert whole.completion_tokens == through and whole.finished_reason is None
+    assert whole.output_token_logprobs == [(-0.5, i) for i in ids[:through]]
+    assert whole.output_top_logprobs == [[(-0.5, i)] for i in ids[:through]]
     assert stops == [StopReq("r", "\n\n")]
     # Its final ends it as the stop string did, whatever ended it at the scheduler.
     (final,), stops = detok.step([token_out("r", [5, 6], LENGTH, first=False)])
-    assert final == ReqStrOut("r", "", [], FinishReason("stop", "\n\n"), 3, len(ids), 0)
+    assert final == ReqStrOut("r", "", [], FinishReason("stop", "\n\n"), 3, through, 0)
     assert not stops and len(detok) == 0
+
+
+def test_a_stop_string_in_held_text_ends_at_the_first_new_token(tokenizer):
+    """A stop string begun in one output (its start held back) and completed by the first of
+    the next output's tokens: that token is the last one kept."""
+    first = tokenizer.encode("Answer: 42.\n", add_special_tokens=False)
+    rest = tokenizer.encode("\nNext line", add_special_tokens=False)
+    assert len(rest) > 1 and tokenizer.decode(rest[:1]) == "\n"
+    detok = IncrementalDetokenizer(tokenizer)
+    (out,), stops = detok.step([token_out("r", first, stop=("\n\n",))])
+    assert out.text == "Answer: 42." and not stops  # the "\n" may begin the stop string
+    more = ReqTokenOut("r", rest, None, len(first) + len(rest))
+    (out,), stops = detok.step([more])
+    assert out.text == "" and stops == [StopReq("r", "\n\n")]
+    assert out.new_token_ids == rest[:1] and out.completion_tokens == len(first) + 1
 
 
 @pytest.mark.parametrize("stop_str", ["\n\n", "42.\n", "Next", ": 4"])
