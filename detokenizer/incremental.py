@@ -226,10 +226,10 @@ class IncrementalDetokenizer:
     def _through_stop(
         self, out: ReqTokenOut, state: DecodeState, held: str, prefix: int, read: int
     ) -> ReqTokenOut:
-        """`out` without the tokens after the one that completes its stop string (with
-        speculation one output carries several tokens, as vLLM drops them): the text of each
-        shorter run of them, decoded from the offsets and held text before `out`, until one
-        holds a stop string."""
+        """`out` without its tokens after the one that completes the stop string: with
+        speculation one output carries several (vLLM drops them too). Each shorter run of its
+        tokens is decoded after the context and held text that `out` came to, until one holds
+        a stop string."""
         count = len(out.new_token_ids)
         if count <= 1:
             return out
