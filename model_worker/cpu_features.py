@@ -37,6 +37,11 @@ def has_amx_int8() -> bool:
     return "amx_int8" in cpu_flags()
 
 
+def has_amx_bf16() -> bool:
+    """AMX's bfloat16 tile multiplies, which oneDNN's bfloat16 matmul runs on."""
+    return "amx_bf16" in cpu_flags()
+
+
 def has_avx512_bf16() -> bool:
     """vdpbf16ps, the bfloat16 pair dot product the extension's linear_panels runs on (its
     build for this CPU has it exactly when the CPU reports it: -march=native)."""

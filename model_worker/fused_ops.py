@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixserve.model_worker.cpu_features import has_amx_bf16
 from radixserve.model_worker.packed_linear import PackedWeight, onednn_packing_available
 from radixserve.model_worker.quantization import Int8Weight, int8_small_rows
 from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat
@@ -23,6 +24,12 @@ SMALL_M = 8
 # (benchmarks/RESULTS.md, "An 8B model in 24 GiB: memory" and "bfloat16 at one row"); at most the
 # extension's kMaxPanelRows.
 PANEL_ROWS = 4
+# In bfloat16 on AVX512-BF16 without AMX its kernel for more rows (tiles of 6 rows against a
+# panel, the sums in oneDNN's order) took 0.81-0.84x oneDNN's time at 16 rows, 0.92-0.95x at 64
+# and 0.94-0.99x at 128 and 256, but 1.02x at 512 and 1.07x at 2,048 (two threads, the weights
+# from memory, SmolLM2-135M and a 0.5B Qwen2's shapes: benchmarks/bench_panels.py): up to
+# here. With AMX oneDNN multiplies many rows in tiles.
+BF16_PANEL_ROWS = 256
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -136,12 +143,16 @@ def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
         return int8_small_rows()
     if isinstance(weight, PackedWeight):
         # In oneDNN's panels (float32; bfloat16 on AVX512-BF16) linear_panels reads them for a
-        # few rows. Otherwise (a layout it does not read) oneDNN at every row count: the plain
-        # weight that linear_small_m reads is not kept (packed_linear.py). In bfloat16 it sums
-        # in oneDNN's order for many rows (Panels.k_block), so a row's result is the same to the
-        # bit in a decode as in a prefill, and a prompt answered from the prefix cache gets the
-        # greedy tokens it got computed whole.
-        return PANEL_ROWS + 1 if weight.panels is not None else 0
+        # few rows (bfloat16 without AMX: up to a decode step of many). Otherwise (a layout it
+        # does not read) oneDNN at every row count: the plain weight that linear_small_m reads
+        # is not kept (packed_linear.py). In bfloat16 it sums in oneDNN's order for many rows
+        # (Panels.k_block), so a row's result is the same to the bit in a decode as in a
+        # prefill, and a prompt answered from the prefix cache gets the greedy tokens it got
+        # computed whole.
+        if weight.panels is None:
+            return 0
+        many = weight.dtype == torch.bfloat16 and not has_amx_bf16()
+        return (BF16_PANEL_ROWS if many else PANEL_ROWS) + 1
     return SMALL_M + 1
 
 

@@ -11,8 +11,13 @@ import pytest
 import torch
 from test_attention import make_batch, run_backend
 
-from radixserve.model_worker.cpu_features import has_avx512_bf16, has_native_bf16
-from radixserve.model_worker.fused_ops import PANEL_ROWS, SMALL_M, CpuKernelOps, TorchOps
+from radixserve.model_worker.cpu_features import has_amx_bf16, has_avx512_bf16, has_native_bf16
+from radixserve.model_worker.fused_ops import (
+    SMALL_M,
+    CpuKernelOps,
+    TorchOps,
+    small_kernel_rows,
+)
 from radixserve.model_worker.kernel_selection import select_kernels
 from radixserve.model_worker.kv_pool import TokenToKVPool
 from radixserve.model_worker.layers import ColumnParallelLinear
@@ -219,41 +224,48 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
     """oneDNN keeps a float32 weight in panels of output channels (on AVX2 and AVX-512 alike), and
     a bfloat16 one on AVX512-BF16 in panels of k pairs; PackedWeight finds them, checked value by
     value, and linear_panels on that one copy is the float64 product rounded once (float32 sums)
-    for every row count it takes, K odd and not a multiple of a vector; in bfloat16 it is also
-    oneDNN's result for those rows in a batch of many, to the bit (the blocks of k it sums in,
-    found at load). A layout that is not the weight's is refused; without AVX512-BF16, bfloat16
-    stays on oneDNN."""
+    for every row count it takes, K odd and not a multiple of a vector, or even (bfloat16 reads
+    x's rows as pairs in place); in bfloat16, whose kernel takes many rows too (tiles of up to 6,
+    and a last one of fewer), it is also oneDNN's result for those rows in a batch of many, to
+    the bit (the blocks of k it sums in, found at load). A layout that is not the weight's is
+    refused; without AVX512-BF16, bfloat16 stays on oneDNN."""
     gen = torch.Generator().manual_seed(0)
-    n, k = 192, 71  # 3 panels of 64; K odd (bfloat16 pads the last pair)
+    n = 192  # 3 panels of 64
+    row_counts = range(1, 5) if dtype == torch.float32 else (*range(1, 8), 13, 64)
+    for k in (71, 96):  # K odd (bfloat16 pads the last pair), and even
+        weight = torch.randn(n, k, generator=gen).to(dtype)
+        bias = torch.randn(n, generator=gen).to(dtype)
+        packed = PackedWeight(weight)
+        if dtype == BF16 and not has_avx512_bf16():
+            assert packed.panels is None
+            return
+        assert packed.panels is not None and packed.panels.group == 4 // weight.element_size()
+        linear_panels = torch.ops.radixserve.linear_panels
+        for rows in row_counts:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            for b in (None, bias):
+                p = packed.panels
+                got = linear_panels(x, packed.packed, n, p.k_pad, p.block, p.k_block, b)
+                assert got.dtype == dtype
+                products = x.double()[:, None, :] * weight.double()[None]
+                exact = products.sum(-1) + (0 if b is None else b.double())
+                # one rounding of the result, and float32 sums of k products (and the bias)
+                rounding = exact.abs() * (2.0**-8 if dtype == BF16 else 2.0**-23)
+                bound = products.abs().sum(-1) + (0 if b is None else b.double().abs())
+                assert ((got.double() - exact).abs() <= rounding + bound * k * 2**-24).all()
+                if dtype == BF16:  # the rows as a prefill of many computes them
+                    many = packed.matmul(torch.cat([x, torch.randn(16, k).to(dtype)]), b)
+                    assert torch.equal(got, many[:rows])
+                if rows < small_kernel_rows(packed):  # what the model runs for these rows
+                    assert torch.equal(kernel_ops.linear(x, packed, b), got)
+    if dtype == torch.float32:
+        with pytest.raises(RuntimeError, match="1 to 4 rows"):
+            linear_panels(
+                torch.randn(5, k).to(dtype), packed.packed, n, packed.panels.k_pad, 64, 0, None
+            )
+    k = 71
     weight = torch.randn(n, k, generator=gen).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype)
     packed = PackedWeight(weight)
-    if dtype == BF16 and not has_avx512_bf16():
-        assert packed.panels is None
-        return
-    assert packed.panels is not None and packed.panels.group == 4 // weight.element_size()
-    linear_panels = torch.ops.radixserve.linear_panels
-    for rows in range(1, 5):
-        x = torch.randn(rows, k, generator=gen).to(dtype)
-        for b in (None, bias):
-            p = packed.panels
-            got = linear_panels(x, packed.packed, n, p.k_pad, p.block, p.k_block, b)
-            assert got.dtype == dtype
-            products = x.double()[:, None, :] * weight.double()[None]
-            exact = products.sum(-1) + (0 if b is None else b.double())
-            # one rounding of the result, and float32 sums of k products (and the bias)
-            rounding = exact.abs() * (2.0**-8 if dtype == BF16 else 2.0**-23)
-            summing = (products.abs().sum(-1) + (0 if b is None else b.double().abs())) * k * 2**-24
-            assert ((got.double() - exact).abs() <= rounding + summing).all()
-            if dtype == BF16:  # the rows as a prefill of many computes them
-                many = packed.matmul(torch.cat([x, torch.randn(16, k).to(dtype)]), b)
-                assert torch.equal(got, many[:rows])
-            if rows <= PANEL_ROWS:  # what the model runs for these rows
-                assert torch.equal(kernel_ops.linear(x, packed, b), got)
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        linear_panels(
-            torch.randn(5, k).to(dtype), packed.packed, n, packed.panels.k_pad, 64, 0, None
-        )
     changed = weight.clone()
     changed[100, 7] += 1
     assert find_panels(changed, packed.packed) is None
@@ -339,8 +351,9 @@ def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
     runner = _runner(str(tiny_model("qwen3")), dtype, "cpu_attn", fused_layers=False)
     linears = [m for m in runner.model.modules() if isinstance(m, ColumnParallelLinear)]
     assert linears and all(isinstance(m.weight, PackedWeight) for m in linears)
+    prompt = SMALL_M + 4
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        runner.forward_logits(_one_prompt_batch(SMALL_M + 4))
+        runner.forward_logits(_one_prompt_batch(prompt))
     ran = {e.key for e in prof.key_averages()}
     for op in ("paged_attention", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
         assert f"radixserve::{op}" in ran
@@ -348,7 +361,11 @@ def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
     # bfloat16 on AVX512-BF16) reads in its panels for a few rows.
     assert "radixserve::linear_small_m" not in ran
     assert ("radixserve::linear_panels" in ran) == (dtype == torch.float32 or has_avx512_bf16())
-    assert "mkldnn::_linear_pointwise" in ran  # the prompt's projections
+    # The prompt's projections: oneDNN's, or in bfloat16 on AVX512-BF16 without AMX
+    # linear_panels on oneDNN's copy (it takes a prompt of up to BF16_PANEL_ROWS rows too).
+    prompt_on_onednn = any(prompt >= small_kernel_rows(m.weight) for m in linears)
+    assert ("mkldnn::_linear_pointwise" in ran) == prompt_on_onednn
+    assert prompt_on_onednn == (dtype == torch.float32 or not has_avx512_bf16() or has_amx_bf16())
     assert "aten::scaled_dot_product_attention" not in ran
 
 

@@ -66,10 +66,12 @@ class Linear : public torch::CustomClassHolder {
     if (aux.has_value()) aux_ = *aux;
     TORCH_CHECK(kind_ != Kind::kDense || small_rows_ <= kMaxSmallM + 1,
                 "Linear: linear_small_m takes at most ", kMaxSmallM, " rows");
-    TORCH_CHECK(kind_ != Kind::kPacked || small_rows_ == 0 ||
-                    (panel_block_ > 0 && small_rows_ <= kMaxPanelRows + 1),
-                "Linear: linear_panels takes panels and at most ", kMaxPanelRows, " rows");
-    if (kind_ == Kind::kPacked && small_rows_ > 0) panels_ = panel_weight(weight_);
+    if (kind_ == Kind::kPacked && small_rows_ > 0) {
+      TORCH_CHECK(panel_block_ > 0, "Linear: linear_panels needs panels");
+      panels_ = panel_weight(weight_);
+      TORCH_CHECK(panels_.dtype == at::kBFloat16 || small_rows_ <= kMaxPanelRows + 1,
+                  "Linear: linear_panels takes at most ", kMaxPanelRows, " rows in float32");
+    }
   }
 
   // Whether a row's result depends on nothing but that row (int8's exact sums): then rows may go

@@ -1,6 +1,8 @@
 // y = x W^T + b for a few rows of x (a decode step at low concurrency): every weight byte is read
 // once and used for all rows, at memory speed. BLAS sgemm runs this shape at ~half the bandwidth.
-// float32 or bfloat16 (accumulated in float32, rounded once).
+// float32 or bfloat16 (accumulated in float32, rounded once). In bfloat16, on oneDNN's own copy
+// of the weight, for many rows too (a decode step of many sequences; the choice of kernel is
+// fused_ops.small_kernel_rows'): oneDNN's sums to the bit (many_rows_times_bf16_panels).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -170,6 +172,88 @@ void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
   }
 }
 
+// Many rows: a panel at a time, and in it a block of k at a time (of oneDNN's summing blocks: a
+// panel's block stays in the L2 cache whatever K), every tile of up to kTileRows rows against it;
+// threads take panels, so each reads its part of the weight once. A row's sums are
+// rows_times_bf16_panels', operation for operation (each block's sum from zero, added to the
+// total, then the bias, one rounding): a row's result does not depend on how many rows came
+// with it. A tile's block sums and the weight vectors fill the registers; the totals of all the
+// rows are in a buffer of the thread's.
+constexpr int kTileRows = 6;
+
+template <int R, int Block>
+void tile_times_bf16_panel_block(const uint32_t* x_pairs, int64_t x_stride,
+                                 const at::BFloat16* panel, int64_t k0, int64_t k1, bool first,
+                                 float* total) {
+  constexpr int kVecs = Block / 16;
+  __m512 acc[R][kVecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t kp = k0; kp < k1; ++kp) {
+    const at::BFloat16* wk = panel + kp * 2 * Block;
+    __m512bh wv[kVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pairs[r * x_stride + kp]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) {
+      float* t = total + r * Block + v * 16;
+      _mm512_storeu_ps(t, first ? acc[r][v] : _mm512_add_ps(_mm512_loadu_ps(t), acc[r][v]));
+    }
+  }
+}
+
+template <int Block>
+void many_rows_times_bf16_panels(const uint32_t* x_pairs, int64_t x_stride,
+                                 const at::BFloat16* panels, const at::BFloat16* bias,
+                                 at::BFloat16* y, int64_t M, int64_t k_pairs, int64_t block_pairs,
+                                 int64_t N) {
+  using TileFn = void (*)(const uint32_t*, int64_t, const at::BFloat16*, int64_t, int64_t, bool,
+                          float*);
+  static constexpr TileFn kTiles[kTileRows] = {
+      &tile_times_bf16_panel_block<1, Block>, &tile_times_bf16_panel_block<2, Block>,
+      &tile_times_bf16_panel_block<3, Block>, &tile_times_bf16_panel_block<4, Block>,
+      &tile_times_bf16_panel_block<5, Block>, &tile_times_bf16_panel_block<6, Block>};
+  at::parallel_for(0, N / Block, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> total(M * Block);
+    for (int64_t p = begin; p < end; ++p) {
+      const at::BFloat16* panel = panels + p * k_pairs * 2 * Block;
+      for (int64_t k0 = 0; k0 < k_pairs; k0 += block_pairs) {
+        const int64_t k1 = std::min(k_pairs, k0 + block_pairs);
+        for (int64_t m = 0; m < M; m += kTileRows) {
+          kTiles[std::min<int64_t>(kTileRows, M - m) - 1](x_pairs + m * x_stride, x_stride, panel,
+                                                          k0, k1, k0 == 0,
+                                                          total.data() + m * Block);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        for (int v = 0; v < Block / 16; ++v) {
+          __m512 out = _mm512_loadu_ps(total.data() + m * Block + v * 16);
+          if (bias != nullptr) {
+            const __m256i b = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(bias + p * Block + v * 16));
+            const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16);
+            out = _mm512_add_ps(out, _mm512_castsi512_ps(widened));
+          }
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + p * Block + v * 16),
+                              (__m256i)_mm512_cvtneps_pbh(out));
+        }
+      }
+    }
+  });
+}
+
 template <int M, int Block>
 void linear_bf16_panels_m(const uint32_t* x_pairs, const at::BFloat16* panels,
                           const at::BFloat16* bias, at::BFloat16* y, int64_t k_pairs,
@@ -236,7 +320,8 @@ at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int6
               "linear_panels: contiguous x [M, K] of the weight's K and dtype, float32 or "
               "bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && M <= kMaxPanelRows, "linear_panels: 1 to ", kMaxPanelRows, " rows");
+  TORCH_CHECK(M >= 1 && (M <= kMaxPanelRows || dtype == at::kBFloat16),
+              "linear_panels: 1 to ", kMaxPanelRows, " rows in float32");
   // bfloat16 panels hold k in pairs: k_pad even
   TORCH_CHECK((block == 16 || block == 32 || block == 64) && block % kLanes == 0 &&
                   n % block == 0 && k_pad >= K && (dtype == at::kFloat || k_pad % 2 == 0),
@@ -257,15 +342,33 @@ at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int6
     // x in pairs of k as 32-bit lanes, zero past K (the weight's padding is zero too)
     const int64_t k_pairs = k_pad / 2;
     const int64_t block_pairs = k_block == 0 ? k_pairs : k_block / 2;
-    std::vector<uint32_t> x_pairs(M * k_pairs, 0);
-    for (int64_t m = 0; m < M; ++m) {
-      std::memcpy(x_pairs.data() + m * k_pairs, x.data_ptr<at::BFloat16>() + m * K,
-                  K * sizeof(at::BFloat16));
-    }
     const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
     const auto* panels = static_cast<const at::BFloat16*>(wp);
     at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-    const uint32_t* xs = x_pairs.data();
+    std::vector<uint32_t> x_pairs;
+    const uint32_t* xs = nullptr;
+    if (k_pad == K) {  // x's rows are pairs already (contiguous, K even)
+      xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+    } else {
+      x_pairs.assign(M * k_pairs, 0);
+      for (int64_t m = 0; m < M; ++m) {
+        std::memcpy(x_pairs.data() + m * k_pairs, x.data_ptr<at::BFloat16>() + m * K,
+                    K * sizeof(at::BFloat16));
+      }
+      xs = x_pairs.data();
+    }
+    if (M > kMaxPanelRows) {
+      const auto many = [&](auto width) {
+        many_rows_times_bf16_panels<decltype(width)::value>(xs, k_pairs, panels, bp, yp, M,
+                                                            k_pairs, block_pairs, n);
+      };
+      switch (block) {
+        case 16: many(std::integral_constant<int, 16>{}); break;
+        case 32: many(std::integral_constant<int, 32>{}); break;
+        default: many(std::integral_constant<int, 64>{}); break;
+      }
+      return y;
+    }
     switch (block) {
       case 16: linear_bf16_panels_block<16>(xs, panels, bp, yp, M, k_pairs, block_pairs, n); break;
       case 32: linear_bf16_panels_block<32>(xs, panels, bp, yp, M, k_pairs, block_pairs, n); break;

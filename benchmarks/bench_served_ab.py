@@ -1,0 +1,90 @@
+"""A served run before and after a change, taking turns: the server of a git revision (the
+baseline) and of the working tree, each started afresh for each round, under the same load.
+
+    python benchmarks/bench_served_ab.py --baseline 5c50c83 [--model /work/models/qwen2-0.5b]
+        [--dtype bfloat16] [--server-args "--quantization int8"] [--rounds 3]
+        [--num-requests 64 --input-len 128 --output-len 128]
+
+Each round starts the baseline's server, sends every request at once over ZMQ (streaming,
+greedy, bench_serving.run_load), stops it, then does the same with the working tree's. Prints
+each round's output tokens per second and TTFT p50, their medians, and after / before. The
+baseline is the revision exported by `git archive`, imported ahead of the installed package;
+its kernels build into the same cache (keyed by their sources). Wall time: an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_serving import RunResult, make_prompts, run_load
+
+from radixserve.client.local_server import launched_server
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def serve_once(python_path: str | None, flags: list[str], prompts: list[list[int]], new: int):
+    """Start a server (of the tree on python_path, or the installed one), run the load, stop."""
+    prefix = ("env", f"PYTHONPATH={python_path}") if python_path else ()
+    command = (*prefix, sys.executable, "-m", "radixserve.launch")
+    with launched_server(*flags, command=command, start_timeout=600) as server:
+        return asyncio.run(run_load(server.address, prompts, new))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="git revision of the baseline")
+    parser.add_argument("--model", default=None, help="default: the server's default model")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--server-args", default="", help="extra launch.py flags, one string")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    args = parser.parse_args()
+    flags = ["--dtype", args.dtype, "--disable-radix-cache", *args.server_args.split()]
+    if args.model:
+        flags += ["--model", args.model]
+    prompts = make_prompts(args.num_requests, args.input_len, 49152)
+    results: dict[str, list[RunResult]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        package = Path(tmp) / "radixserve"
+        package.mkdir()
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", args.baseline], capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(package)], input=archive, check=True)
+        print(
+            f"{args.model or 'the default model'}, {' '.join(flags)}; {args.num_requests} at once"
+            f" x {args.input_len}/{args.output_len}; before: {args.baseline}, after: the working"
+            " tree\n"
+        )
+        print("| round | side | output tok/s | TTFT p50 (s) |")
+        print("|---|---|---|---|")
+        for r in range(1, args.rounds + 1):
+            for side, path in (("before", tmp), ("after", None)):
+                run = serve_once(path, flags, prompts, args.output_len)
+                results[side].append(run)
+                ttft = statistics.median(run.ttfts)
+                print(f"| {r} | {side} | {run.throughput:.1f} | {ttft:.2f} |", flush=True)
+    medians = {
+        side: (
+            statistics.median(r.throughput for r in runs),
+            statistics.median(statistics.median(r.ttfts) for r in runs),
+        )
+        for side, runs in results.items()
+    }
+    for side, (tok_s, ttft) in medians.items():
+        print(f"- {side} (medians over rounds): {tok_s:.1f} tok/s, TTFT p50 {ttft:.2f} s")
+    (b_tok, b_ttft), (a_tok, a_ttft) = medians["before"], medians["after"]
+    print(f"- after / before: throughput {a_tok / b_tok:.3f}x, TTFT p50 {a_ttft / b_ttft:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
