@@ -65,7 +65,7 @@ SHAPES = {
 READ_BUFFER_MB = 512  # more than any last-level cache here
 KERNELS = ("F.linear", "linear_small_m", "oneDNN plain", "oneDNN packed", "linear_panels")
 PLAIN_KERNELS = KERNELS[:3]  # those that read the plain weight
-PANEL_ROWS_MAX = 4  # the extension's kMaxPanelRows
+PANEL_ROWS_MAX = 4  # the extension's kMaxPanelRows: float32's (bfloat16 takes any)
 
 
 def seconds_per_call(f: Callable[[], object], reps: int) -> float:
@@ -130,7 +130,7 @@ def layer_kernels(x: torch.Tensor, copies: Copies, wanted: set[str]) -> dict:
     if x.shape[0] <= SMALL_M:
         kernels["linear_small_m"] = lambda: small_m(x, w[copies.next()], None)
     panels = p[0].panels
-    if panels is not None and x.shape[0] <= PANEL_ROWS_MAX:
+    if panels is not None and (x.shape[0] <= PANEL_ROWS_MAX or x.dtype == torch.bfloat16):
         n, _ = p[0].shape
         linear_panels = torch.ops.radixserve.linear_panels.default
         kernels["linear_panels"] = lambda: linear_panels(

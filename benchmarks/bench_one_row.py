@@ -10,8 +10,9 @@ int8 kernels alone.
 float32 is the default dtype on CPUs without bfloat16; bfloat16 reads its panels with
 AVX512-BF16's vdpbf16ps (elsewhere it stays on oneDNN, and both configurations are the same).
 Both run cpu_attn with every decoder layer in one call (the default): the model's decoder layers
-are fused twice over the same weights (`fuse_layers` while fused_ops.PANEL_ROWS is 4, then 0)
-and the step swaps them, with PANEL_ROWS set to match for the LM head; each configuration
+are fused twice over the same weights (`fuse_layers` with fused_ops.PANEL_ROWS and
+BF16_PANEL_ROWS as served, then both 0) and the step swaps them, with both set to match for the
+LM head; each configuration
 decodes its own copy of the sequence in the pool. Prints the median step of each and the median
 of their ratios; whether the greedy tokens agree (sums in another order can round a bfloat16
 result the other way, and a near tie then the other way too); and each step against the
@@ -41,9 +42,11 @@ from radixserve.model_worker.model_source import DEFAULT_MODEL, resolve_model_pa
 from radixserve.model_worker.parallel import TPGroup
 from radixserve.process_setup import keep_freed_memory
 
-# name: fused_ops.PANEL_ROWS while its fused layers are built and while it steps
-CONFIGS = {"linear_panels (1-4 rows)": fused_ops.PANEL_ROWS, "oneDNN at every row count": 0}
-INT8_CONFIGS = {"int8 kernels": fused_ops.PANEL_ROWS}
+# name: fused_ops.PANEL_ROWS and BF16_PANEL_ROWS while its fused layers are built and while it
+# steps
+PANELS = (fused_ops.PANEL_ROWS, fused_ops.BF16_PANEL_ROWS)
+CONFIGS = {"linear_panels (as served)": PANELS, "oneDNN at every row count": (0, 0)}
+INT8_CONFIGS = {"int8 kernels": PANELS}
 PROMPT = 128
 
 
@@ -91,7 +94,7 @@ def main() -> None:
     layers = runner.model.model
     fused = {}
     for name, panel_rows in configs.items():
-        fused_ops.PANEL_ROWS = panel_rows
+        fused_ops.PANEL_ROWS, fused_ops.BF16_PANEL_ROWS = panel_rows
         layers.fuse_layers()
         fused[name] = layers.fused_layers
     prompt = make_prompts(1, PROMPT, runner.model_config.vocab_size)[0]
@@ -103,7 +106,7 @@ def main() -> None:
         for _ in range(args.steps + 1):  # the first is the prompt's prefill, untimed
             floors.append(sum(read_seconds(w) for w in weights))
             for i, (name, panel_rows) in enumerate(configs.items()):
-                fused_ops.PANEL_ROWS = panel_rows
+                fused_ops.PANEL_ROWS, fused_ops.BF16_PANEL_ROWS = panel_rows
                 layers.fused_layers = fused[name]
                 start = time.perf_counter()
                 token = int(forward(runner, seqs, [i])[0].argmax())

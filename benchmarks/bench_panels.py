@@ -1,17 +1,19 @@
-"""bfloat16 linear layers of a decode step, taking turns in one process: the extension's
-linear_panels on oneDNN's packed weight against oneDNN's own matmul on the same copy, every
-decoder layer's linears in turn and then the LM head, as a forward reads them (the weights from
-memory, not from the cache that repeating one layer keeps them in).
+"""bfloat16 linear layers of a forward of some rows (a decode step's, a prefill chunk's), taking
+turns in one process: the extension's linear_panels on oneDNN's packed weight against oneDNN's
+own matmul on the same copy, every decoder layer's linears in turn and then the LM head, as a
+forward reads them (the weights from memory, not from the cache that repeating one layer keeps
+them in).
 
     python benchmarks/bench_panels.py [--model SmolLM2-135M-Instruct] [--rows 16,64,256,512,2048]
                                       [--threads 2] [--rounds 5] [--layers N]
 
 Checks first that both give the same result to the bit (linear_panels sums in oneDNN's order),
-then prints, per row count, each layer's ms per step (the median of --rounds passes), and
-panels / oneDNN. The LM head is timed up to 64 rows (a prefill computes it on each prompt's last
-row only). --layers holds fewer decoder layers than the model has (an 8B's; keep them past the
-last-level cache). Wall time: take it on an idle machine. Needs AVX512-BF16 (oneDNN's bfloat16
-panels).
+then prints, per row count, each layer's ms per pass (the median of --rounds passes; the kernel
+that goes first alternates), and panels / oneDNN. The LM head is timed up to 64 rows only (a
+prefill computes it on each prompt's last row), so the totals of fewer and more rows differ in
+what they hold. --layers holds fewer decoder layers than the model has, to fit a large model's
+in memory (enough of them that they do not fit in the last-level cache). Wall time: take it on
+an idle machine. Needs AVX512-BF16 (oneDNN's bfloat16 panels).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def main() -> None:
         f"{args.model}: {len(layers)} layers, bfloat16, {args.threads} thread(s), "
         f"median of {args.rounds} passes taking turns; panels of "
         + ", ".join(
-            f"{name} {w.panels.block} x k blocks of {w.panels.k_block}"
+            f"{name} {w.panels.block} x k blocks of {w.panels.k_block or 'all of K'}"
             for name, w in layers[0].items()
             if w.panels is not None
         )
@@ -100,8 +102,9 @@ def main() -> None:
         for name, weight in step[: len(shapes)] + step[-1:]:
             assert torch.equal(onednn(xs[name], weight), panels(xs[name], weight)), name
         times: dict[tuple[str, str], list[float]] = {}
-        for _ in range(args.rounds):
-            for kernel, fn in (("onednn", onednn), ("panels", panels)):
+        for turn in range(args.rounds):
+            kernels = (("onednn", onednn), ("panels", panels))
+            for kernel, fn in kernels if turn % 2 == 0 else kernels[::-1]:
                 spent: dict[str, float] = {}
                 for name, weight in step:
                     start = time.perf_counter()

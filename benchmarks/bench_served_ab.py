@@ -5,11 +5,13 @@ baseline) and of the working tree, each started afresh for each round, under the
         [--dtype bfloat16] [--server-args "--quantization int8"] [--rounds 3]
         [--num-requests 64 --input-len 128 --output-len 128]
 
-Each round starts the baseline's server, sends every request at once over ZMQ (streaming,
-greedy, bench_serving.run_load), stops it, then does the same with the working tree's. Prints
-each round's output tokens per second and TTFT p50, their medians, and after / before. The
-baseline is the revision exported by `git archive`, imported ahead of the installed package;
-its kernels build into the same cache (keyed by their sources). Wall time: an idle machine.
+Each round starts one side's server, sends every request at once over ZMQ (streaming, greedy,
+bench_serving.run_load; the radix cache off, as bench_vs_peers runs it), stops it, then does the
+same with the other side's; the side that goes first alternates. Prints each round's output
+tokens per second and TTFT p50, their medians, and after / before (above 1x is faster for
+throughput, below 1x for TTFT). The baseline is the revision exported by `git archive`, the
+working tree is this checkout, each imported ahead of any installed package; the kernels build
+into the one cache (keyed by their sources). Wall time: take it on an idle machine.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ from radixserve.client.local_server import launched_server
 REPO = Path(__file__).resolve().parent.parent
 
 
-def serve_once(python_path: str | None, flags: list[str], prompts: list[list[int]], new: int):
-    """Start a server (of the tree on python_path, or the installed one), run the load, stop."""
-    prefix = ("env", f"PYTHONPATH={python_path}") if python_path else ()
-    command = (*prefix, sys.executable, "-m", "radixserve.launch")
+def serve_once(python_path: str, flags: list[str], prompts: list[list[int]], new: int) -> RunResult:
+    """Start the server of the tree on python_path (a directory holding it as radixserve/), run
+    the load, stop it."""
+    command = ("env", f"PYTHONPATH={python_path}", sys.executable, "-m", "radixserve.launch")
     with launched_server(*flags, command=command, start_timeout=600) as server:
         return asyncio.run(run_load(server.address, prompts, new))
 
@@ -51,15 +53,17 @@ def main() -> None:
     flags = ["--dtype", args.dtype, "--disable-radix-cache", *args.server_args.split()]
     if args.model:
         flags += ["--model", args.model]
-    prompts = make_prompts(args.num_requests, args.input_len, 49152)
+    prompts = make_prompts(args.num_requests, args.input_len, 49152)  # the default tokenizer's
     results: dict[str, list[RunResult]] = {"before": [], "after": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        package = Path(tmp) / "radixserve"
+    with tempfile.TemporaryDirectory() as before, tempfile.TemporaryDirectory() as after:
+        package = Path(before) / "radixserve"
         package.mkdir()
         archive = subprocess.run(
             ["git", "-C", str(REPO), "archive", args.baseline], capture_output=True, check=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(package)], input=archive, check=True)
+        (Path(after) / "radixserve").symlink_to(REPO)
+        trees = {"before": before, "after": after}
         print(
             f"{args.model or 'the default model'}, {' '.join(flags)}; {args.num_requests} at once"
             f" x {args.input_len}/{args.output_len}; before: {args.baseline}, after: the working"
@@ -68,8 +72,8 @@ def main() -> None:
         print("| round | side | output tok/s | TTFT p50 (s) |")
         print("|---|---|---|---|")
         for r in range(1, args.rounds + 1):
-            for side, path in (("before", tmp), ("after", None)):
-                run = serve_once(path, flags, prompts, args.output_len)
+            for side in ("before", "after") if r % 2 else ("after", "before"):
+                run = serve_once(trees[side], flags, prompts, args.output_len)
                 results[side].append(run)
                 ttft = statistics.median(run.ttfts)
                 print(f"| {r} | {side} | {run.throughput:.1f} | {ttft:.2f} |", flush=True)

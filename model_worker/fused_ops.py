@@ -3,7 +3,8 @@
 `TorchOps` is eager torch, runs on every device and dtype, and is the reference. `CpuKernelOps`
 calls the CPU extension (`cpu_kernels.py`): one pass per op instead of several eager ops (a
 decode step of one sequence runs ~600 fewer ops), a linear layer for a few rows that reads
-the weights at memory speed, and oneDNN on weights reordered once (`packed_linear.py`). The model
+the weights at memory speed (in bfloat16 also for the rows of a decode step of many), and oneDNN
+on weights reordered once (`packed_linear.py`). The model
 runner picks one for the whole model, and the linear layers keep their weights in the format its
 ops ask for (`weight_format.py`).
 """
@@ -20,15 +21,15 @@ from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat
 
 # Rows up to which linear_small_m beats BLAS here (the extension's kMaxSmallM).
 SMALL_M = 8
-# Rows up to which linear_panels beats oneDNN on the same float32 or bfloat16 weight
-# (benchmarks/RESULTS.md, "An 8B model in 24 GiB: memory" and "bfloat16 at one row"); at most the
-# extension's kMaxPanelRows.
+# Rows up to which linear_panels beats oneDNN on the same float32 weight, or bfloat16 where the
+# CPU has AMX (benchmarks/RESULTS.md, "An 8B model in 24 GiB: memory" and "bfloat16 at one
+# row"); at most the extension's kMaxPanelRows.
 PANEL_ROWS = 4
-# In bfloat16 on AVX512-BF16 without AMX its kernel for more rows (tiles of 6 rows against a
-# panel, the sums in oneDNN's order) took 0.81-0.84x oneDNN's time at 16 rows, 0.92-0.95x at 64
-# and 0.94-0.99x at 128 and 256, but 1.02x at 512 and 1.07x at 2,048 (two threads, the weights
-# from memory, SmolLM2-135M and a 0.5B Qwen2's shapes: benchmarks/bench_panels.py): up to
-# here. With AMX oneDNN multiplies many rows in tiles.
+# In bfloat16 on AVX512-BF16 without AMX, linear_panels' kernel for more rows (tiles of 6 rows
+# against a panel, the sums in oneDNN's order) took 0.81-0.84x oneDNN's time at 16 rows,
+# 0.92-0.95x at 64 and 0.94-0.99x at 128 and 256, but 1.02x at 512 and 1.07x at 2,048 (two
+# threads, the weights from memory, SmolLM2-135M's and a 0.5B Qwen2's shapes:
+# benchmarks/bench_panels.py): up to here. With AMX oneDNN multiplies many rows in tiles.
 BF16_PANEL_ROWS = 256
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -137,13 +138,14 @@ class CpuKernelOps(TorchOps):
 
 def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
     """Rows below which CpuKernelOps.linear runs the extension's own kernel on `weight`
-    (linear_small_m, int8_linear); from there on F.linear or oneDNN. The fused decoder layers
-    (fused_layers.py) take the same choice from here."""
+    (linear_small_m, linear_panels, int8_linear); from there on F.linear or oneDNN. The fused
+    decoder layers (fused_layers.py) take the same choice from here."""
     if isinstance(weight, Int8Weight):
         return int8_small_rows()
     if isinstance(weight, PackedWeight):
         # In oneDNN's panels (float32; bfloat16 on AVX512-BF16) linear_panels reads them for a
-        # few rows (bfloat16 without AMX: up to a decode step of many). Otherwise (a layout it
+        # few rows (bfloat16 without AMX: up to BF16_PANEL_ROWS, a decode step of many or a
+        # short prompt). Otherwise (a layout it
         # does not read) oneDNN at every row count: the plain weight that linear_small_m reads
         # is not kept (packed_linear.py). In bfloat16 it sums in oneDNN's order for many rows
         # (Panels.k_block), so a row's result is the same to the bit in a decode as in a

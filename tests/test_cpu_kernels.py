@@ -231,7 +231,8 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
     refused; without AVX512-BF16, bfloat16 stays on oneDNN."""
     gen = torch.Generator().manual_seed(0)
     n = 192  # 3 panels of 64
-    row_counts = range(1, 5) if dtype == torch.float32 else (*range(1, 8), 13, 64)
+    # bfloat16: 1 to 4 rows in one pass, then tiles of 6 and a last one of each smaller size
+    row_counts = range(1, 5) if dtype == torch.float32 else (*range(1, 10), 13, 64)
     for k in (71, 96):  # K odd (bfloat16 pads the last pair), and even
         weight = torch.randn(n, k, generator=gen).to(dtype)
         bias = torch.randn(n, generator=gen).to(dtype)
@@ -240,6 +241,8 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
             assert packed.panels is None
             return
         assert packed.panels is not None and packed.panels.group == 4 // weight.element_size()
+        if dtype == BF16 and k % 2 == 0:
+            assert packed.panels.k_pad == k  # linear_panels reads x's rows as pairs in place
         linear_panels = torch.ops.radixserve.linear_panels
         for rows in row_counts:
             x = torch.randn(rows, k, generator=gen).to(dtype)
@@ -272,6 +275,45 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
     # the same values with k's pairs in the other order: bfloat16's layout is not float32's
     swapped = weight[:, : k - 1].reshape(n, -1, 2).flip(-1).reshape(n, k - 1)
     assert find_panels(swapped, PackedWeight(weight[:, : k - 1]).packed) is None
+
+
+@pytest.mark.skipif(not has_avx512_bf16(), reason="linear_panels takes bfloat16 on AVX512-BF16")
+def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone() -> None:
+    """bfloat16 rows through linear_panels' many-row kernel (tiles of 6, and a last one of each
+    smaller size; several blocks of k, each summed from zero and added to the total, as oneDNN
+    sums a wide input) equal, to the bit, each row computed alone in the 1-row kernel: whatever
+    the batch, the block sizes (oneDNN's for a 1,100-wide input, and 64 k over 200), K odd or
+    even, and x's rows read in place (aligned) or copied (a view 2 bytes off)."""
+    gen = torch.Generator().manual_seed(1)
+    linear_panels = torch.ops.radixserve.linear_panels
+    for k, k_block in ((1100, None), (1101, None), (200, 64)):
+        weight = torch.randn(192, k, generator=gen).to(BF16)
+        bias = torch.randn(192, generator=gen).to(BF16)
+        packed = PackedWeight(weight)
+        p = packed.panels
+        assert p is not None
+        k_block = p.k_block if k_block is None else k_block
+        assert 0 < k_block < k  # several blocks
+        flat = torch.randn(1 + 64 * k, generator=gen).to(BF16)
+        for rows in (*range(5, 10), 13, 64):
+            aligned = flat[: rows * k].view(rows, k)
+            off = flat[1 : 1 + rows * k].view(rows, k)  # 2 bytes past the aligned start
+            for x in (aligned, off):
+                for b in (None, bias):
+                    many = linear_panels(x, packed.packed, 192, p.k_pad, p.block, k_block, b)
+                    alone = [
+                        linear_panels(
+                            x[i : i + 1], packed.packed, 192, p.k_pad, p.block, k_block, b
+                        )
+                        for i in range(rows)
+                    ]
+                    assert torch.equal(many, torch.cat(alone))
+        if k_block == p.k_block:  # and it is oneDNN's sum for these rows
+            x = flat[: 64 * k].view(64, k)
+            assert torch.equal(
+                linear_panels(x, packed.packed, 192, p.k_pad, p.block, k_block, None),
+                packed.matmul(x, None),
+            )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])

@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_sampler import make_info
 
-from radixserve.model_worker import fused_layers, quantization
+from radixserve.model_worker import fused_layers, fused_ops, quantization
 from radixserve.model_worker.batch import ModelWorkerBatch
-from radixserve.model_worker.cpu_features import has_native_bf16
+from radixserve.model_worker.cpu_features import has_avx512_bf16, has_native_bf16
 from radixserve.model_worker.forward_batch import ForwardBatch
 from radixserve.model_worker.fused_ops import PANEL_ROWS, SMALL_M, CpuKernelOps
 from radixserve.model_worker.model_runner import ModelRunner
@@ -134,6 +134,15 @@ def test_fused_layers_equal_the_modules_on_plain_int8(tiny_model, monkeypatch, o
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
         assert int8_small_rows() > STEP_ROWS[-1]
     _assert_fused_equals_modules(str(tiny_model("qwen3")), torch.float32, "int8")
+
+
+@pytest.mark.skipif(not has_avx512_bf16(), reason="linear_panels takes bfloat16 on AVX512-BF16")
+def test_fused_layers_equal_the_modules_around_bf16_panel_rows(tiny_model, monkeypatch) -> None:
+    """bfloat16's linear_panels for as many rows as BF16_PANEL_ROWS (6 here, so that the steps'
+    row counts cross it; 256 as served), oneDNN from there on."""
+    monkeypatch.setattr(fused_ops, "BF16_PANEL_ROWS", 6)
+    assert min(STEP_ROWS) <= 6 < max(STEP_ROWS)
+    _assert_fused_equals_modules(str(tiny_model("qwen2")), torch.bfloat16, None)
 
 
 def test_fused_layers_take_the_int8_mlp_in_blocks_of_rows(tiny_model, monkeypatch) -> None:

@@ -1,8 +1,8 @@
 // y = x W^T + b for a few rows of x (a decode step at low concurrency): every weight byte is read
 // once and used for all rows, at memory speed. BLAS sgemm runs this shape at ~half the bandwidth.
-// float32 or bfloat16 (accumulated in float32, rounded once). In bfloat16, on oneDNN's own copy
-// of the weight, for many rows too (a decode step of many sequences; the choice of kernel is
-// fused_ops.small_kernel_rows'): oneDNN's sums to the bit (many_rows_times_bf16_panels).
+// float32 or bfloat16 (accumulated in float32, rounded once). bfloat16 on oneDNN's own copy of the
+// weight takes many rows too, compute-bound (many_rows_times_bf16_panels): oneDNN's sums to the
+// bit, faster than oneDNN at a decode step's rows here (fused_ops.BF16_PANEL_ROWS).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -117,6 +118,14 @@ void linear_panels_block(const float* x, const float* panels, const float* bias,
 }
 
 #if defined(__AVX512BF16__)
+// Pair i of x's pairs of k, as the 32-bit lane vdpbf16ps broadcasts (x's own storage, where its
+// rows are pairs already, is bfloat16: read as bytes).
+inline int32_t pair_at(const uint32_t* pairs, int64_t i) {
+  int32_t v;
+  std::memcpy(&v, pairs + i, sizeof v);
+  return v;
+}
+
 // The same for bfloat16, which oneDNN lays out for vdpbf16ps: a panel is [k_pad / 2][Block][2],
 // each 32-bit lane a pair of consecutive k of one output channel. x comes as pairs as well
 // ([M][k_pad / 2], zero past K), one broadcast to every lane; each vdpbf16ps adds both products
@@ -145,7 +154,7 @@ void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
         __m512bh wv[kVecs];
         for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
         for (int m = 0; m < M; ++m) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pairs[m * k_pairs + kp]);
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_at(x_pairs, m * k_pairs + kp));
           for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, wv[v]);
         }
       }
@@ -172,13 +181,13 @@ void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
   }
 }
 
-// Many rows: a panel at a time, and in it a block of k at a time (of oneDNN's summing blocks: a
-// panel's block stays in the L2 cache whatever K), every tile of up to kTileRows rows against it;
-// threads take panels, so each reads its part of the weight once. A row's sums are
-// rows_times_bf16_panels', operation for operation (each block's sum from zero, added to the
-// total, then the bias, one rounding): a row's result does not depend on how many rows came
-// with it. A tile's block sums and the weight vectors fill the registers; the totals of all the
-// rows are in a buffer of the thread's.
+// Many rows: a panel at a time, and in it a block of k at a time (oneDNN's summing blocks), every
+// tile of up to kTileRows rows against that block, which stays in the cache across them; threads
+// take panels, so each reads its part of the weight once (and, where a layer has fewer panels
+// than threads, groups of a panel's rows). A row's sums are rows_times_bf16_panels', operation
+// for operation (each block's sum from zero, added to the total, then the bias, one rounding):
+// a row's result does not depend on how many rows came with it, nor on the threads. A tile's
+// block sums stay in registers; the totals of a group's rows in a buffer of the thread's.
 constexpr int kTileRows = 6;
 
 template <int R, int Block>
@@ -199,7 +208,7 @@ void tile_times_bf16_panel_block(const uint32_t* x_pairs, int64_t x_stride,
     for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x_pairs[r * x_stride + kp]);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_at(x_pairs, r * x_stride + kp));
 #pragma GCC unroll 4
       for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
     }
@@ -225,21 +234,27 @@ void many_rows_times_bf16_panels(const uint32_t* x_pairs, int64_t x_stride,
       &tile_times_bf16_panel_block<1, Block>, &tile_times_bf16_panel_block<2, Block>,
       &tile_times_bf16_panel_block<3, Block>, &tile_times_bf16_panel_block<4, Block>,
       &tile_times_bf16_panel_block<5, Block>, &tile_times_bf16_panel_block<6, Block>};
-  at::parallel_for(0, N / Block, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> total(M * Block);
-    for (int64_t p = begin; p < end; ++p) {
+  const int64_t num_panels = N / Block, tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t groups =
+      std::min(tiles, (at::get_num_threads() + num_panels - 1) / num_panels);  // per panel
+  const int64_t group_rows = (tiles + groups - 1) / groups * kTileRows;
+  at::parallel_for(0, num_panels * groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> total(std::min(M, group_rows) * Block);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item / groups, m_begin = item % groups * group_rows;
+      const int64_t m_end = std::min(M, m_begin + group_rows);
       const at::BFloat16* panel = panels + p * k_pairs * 2 * Block;
       for (int64_t k0 = 0; k0 < k_pairs; k0 += block_pairs) {
         const int64_t k1 = std::min(k_pairs, k0 + block_pairs);
-        for (int64_t m = 0; m < M; m += kTileRows) {
-          kTiles[std::min<int64_t>(kTileRows, M - m) - 1](x_pairs + m * x_stride, x_stride, panel,
-                                                          k0, k1, k0 == 0,
-                                                          total.data() + m * Block);
+        for (int64_t m = m_begin; m < m_end; m += kTileRows) {
+          kTiles[std::min<int64_t>(kTileRows, m_end - m) - 1](
+              x_pairs + m * x_stride, x_stride, panel, k0, k1, k0 == 0,
+              total.data() + (m - m_begin) * Block);
         }
       }
-      for (int64_t m = 0; m < M; ++m) {
+      for (int64_t m = m_begin; m < m_end; ++m) {
         for (int v = 0; v < Block / 16; ++v) {
-          __m512 out = _mm512_loadu_ps(total.data() + m * Block + v * 16);
+          __m512 out = _mm512_loadu_ps(total.data() + (m - m_begin) * Block + v * 16);
           if (bias != nullptr) {
             const __m256i b = _mm256_loadu_si256(
                 reinterpret_cast<const __m256i*>(bias + p * Block + v * 16));
@@ -320,8 +335,9 @@ at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int6
               "linear_panels: contiguous x [M, K] of the weight's K and dtype, float32 or "
               "bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1 && (M <= kMaxPanelRows || dtype == at::kBFloat16),
-              "linear_panels: 1 to ", kMaxPanelRows, " rows in float32");
+  TORCH_CHECK(M >= 1, "linear_panels: at least one row");
+  TORCH_CHECK(M <= kMaxPanelRows || dtype == at::kBFloat16, "linear_panels: 1 to ",
+              kMaxPanelRows, " rows in float32");
   // bfloat16 panels hold k in pairs: k_pad even
   TORCH_CHECK((block == 16 || block == 32 || block == 64) && block % kLanes == 0 &&
                   n % block == 0 && k_pad >= K && (dtype == at::kFloat || k_pad % 2 == 0),
@@ -347,7 +363,8 @@ at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int6
     at::BFloat16* yp = y.data_ptr<at::BFloat16>();
     std::vector<uint32_t> x_pairs;
     const uint32_t* xs = nullptr;
-    if (k_pad == K) {  // x's rows are pairs already (contiguous, K even)
+    if (k_pad == K && reinterpret_cast<uintptr_t>(x.data_ptr()) % alignof(uint32_t) == 0) {
+      // x's rows are pairs already (contiguous, K even)
       xs = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
     } else {
       x_pairs.assign(M * k_pairs, 0);
@@ -357,7 +374,7 @@ at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int6
       }
       xs = x_pairs.data();
     }
-    if (M > kMaxPanelRows) {
+    if (M > kMaxPanelRows) {  // past the rows whose sums one pass over the weight keeps
       const auto many = [&](auto width) {
         many_rows_times_bf16_panels<decltype(width)::value>(xs, k_pairs, panels, bp, yp, M,
                                                             k_pairs, block_pairs, n);
