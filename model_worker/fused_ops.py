@@ -26,8 +26,8 @@ SMALL_M = 8
 # row"); at most the extension's kMaxPanelRows.
 PANEL_ROWS = 4
 # In bfloat16 on AVX512-BF16 without AMX, linear_panels' kernel for more rows (tiles of 6 rows
-# against a panel, the sums in oneDNN's order) took 0.81-0.84x oneDNN's time at 16 rows,
-# 0.92-0.95x at 64 and 0.94-0.99x at 128 and 256, but 1.02x at 512 and 1.07x at 2,048 (two
+# against a panel, the sums in oneDNN's order) took 0.74-0.88x oneDNN's time at 16 rows,
+# 0.87-0.95x at 64 and 0.93-0.99x at 128 and 256, but 1.02x at 512 and 1.07x at 2,048 (two
 # threads, the weights from memory, SmolLM2-135M's and a 0.5B Qwen2's shapes:
 # benchmarks/bench_panels.py): up to here. With AMX oneDNN multiplies many rows in tiles.
 BF16_PANEL_ROWS = 256
