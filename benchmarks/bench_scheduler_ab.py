@@ -34,6 +34,17 @@ print(measure({running}, {steps}))
 """
 
 
+def export_revision(revision: str, root: Path) -> None:
+    """The repository at `revision` (`git archive`), as root/radixserve: importable with root on
+    PYTHONPATH, ahead of any installed package."""
+    package = root / "radixserve"
+    package.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", revision], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(package)], input=archive, check=True)
+
+
 def measure(root: Path | None, running: int, steps: int, cpu_time: bool) -> float:
     """µs per step of the tree at root (a directory holding the package as radixserve/), or of
     the installed working tree when root is None."""
@@ -55,12 +66,7 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        package = Path(tmp) / "radixserve"
-        package.mkdir()
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", args.before], capture_output=True, check=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(package)], input=archive, check=True)
+        export_revision(args.before, Path(tmp))
         timing = "CPU time" if args.cpu_time else "wall time"
         print(f"decode steps, streaming, {args.steps} steps, {args.rounds} rounds, {timing}\n")
         print(

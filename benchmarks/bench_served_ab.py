@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from bench_scheduler_ab import REPO, export_revision
 from bench_serving import RunResult, make_prompts, run_load
 
 from radixserve.client.local_server import launched_server
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def serve_once(python_path: str, flags: list[str], prompts: list[list[int]], new: int) -> RunResult:
@@ -56,12 +54,7 @@ def main() -> None:
     prompts = make_prompts(args.num_requests, args.input_len, 49152)  # the default tokenizer's
     results: dict[str, list[RunResult]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as before, tempfile.TemporaryDirectory() as after:
-        package = Path(before) / "radixserve"
-        package.mkdir()
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", args.baseline], capture_output=True, check=True
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", str(package)], input=archive, check=True)
+        export_revision(args.baseline, Path(before))
         (Path(after) / "radixserve").symlink_to(REPO)
         trees = {"before": before, "after": after}
         print(

@@ -1,12 +1,11 @@
 """The small ops between the matmuls, and the matmuls themselves, in two implementations.
 
 `TorchOps` is eager torch, runs on every device and dtype, and is the reference. `CpuKernelOps`
-calls the CPU extension (`cpu_kernels.py`): one pass per op instead of several eager ops (a
-decode step of one sequence runs ~600 fewer ops), a linear layer for a few rows that reads
-the weights at memory speed (in bfloat16 also for the rows of a decode step of many), and oneDNN
-on weights reordered once (`packed_linear.py`). The model
-runner picks one for the whole model, and the linear layers keep their weights in the format its
-ops ask for (`weight_format.py`).
+calls the CPU extension (`cpu_kernels.py`): one pass per op instead of several eager ops (a decode
+step of one sequence runs ~600 fewer ops), a linear layer for a few rows that reads the weights at
+memory speed (in bfloat16 also for the rows of a decode step of many), and oneDNN on weights
+reordered once (`packed_linear.py`). The model runner picks one for the whole model, and the linear
+layers keep their weights in the format its ops ask for (`weight_format.py`).
 """
 
 from __future__ import annotations
@@ -143,13 +142,12 @@ def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
     if isinstance(weight, Int8Weight):
         return int8_small_rows()
     if isinstance(weight, PackedWeight):
-        # In oneDNN's panels (float32; bfloat16 on AVX512-BF16) linear_panels reads them for a
-        # few rows (bfloat16 without AMX: up to BF16_PANEL_ROWS, a decode step of many or a
-        # short prompt). Otherwise (a layout it
-        # does not read) oneDNN at every row count: the plain weight that linear_small_m reads
-        # is not kept (packed_linear.py). In bfloat16 it sums in oneDNN's order for many rows
-        # (Panels.k_block), so a row's result is the same to the bit in a decode as in a
-        # prefill, and a prompt answered from the prefix cache gets the greedy tokens it got
+        # In oneDNN's panels (float32; bfloat16 on AVX512-BF16) linear_panels reads them for a few
+        # rows (bfloat16 without AMX: up to BF16_PANEL_ROWS, a decode step of many or a short
+        # prompt). Otherwise (a layout it does not read) oneDNN at every row count: the plain weight
+        # that linear_small_m reads is not kept (packed_linear.py). In bfloat16 it sums in oneDNN's
+        # order for many rows (Panels.k_block), so a row's result is the same to the bit in a decode
+        # as in a prefill, and a prompt answered from the prefix cache gets the greedy tokens it got
         # computed whole.
         if weight.panels is None:
             return 0

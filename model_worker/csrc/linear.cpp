@@ -126,6 +126,17 @@ inline int32_t pair_at(const uint32_t* pairs, int64_t i) {
   return v;
 }
 
+// 16 outputs' float32 sums plus their bias (16 bfloat16 values, or none), rounded to bfloat16
+// once, into y.
+inline void store_with_bias(__m512 sums, const at::BFloat16* bias, at::BFloat16* y) {
+  if (bias != nullptr) {  // bfloat16 is float32's upper half
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias));
+    const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16);
+    sums = _mm512_add_ps(sums, _mm512_castsi512_ps(widened));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
 // The same for bfloat16, which oneDNN lays out for vdpbf16ps: a panel is [k_pad / 2][Block][2],
 // each 32-bit lane a pair of consecutive k of one output channel. x comes as pairs as well
 // ([M][k_pad / 2], zero past K), one broadcast to every lane; each vdpbf16ps adds both products
@@ -167,15 +178,8 @@ void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
     const int64_t n0 = p * Block;
     for (int m = 0; m < M; ++m) {
       for (int v = 0; v < kVecs; ++v) {
-        __m512 out = total[m][v];
-        if (bias != nullptr) {  // bfloat16 is float32's upper half
-          const __m256i b =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0 + v * 16));
-          const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16);
-          out = _mm512_add_ps(out, _mm512_castsi512_ps(widened));
-        }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + n0 + v * 16),
-                            (__m256i)_mm512_cvtneps_pbh(out));
+        store_with_bias(total[m][v], bias == nullptr ? nullptr : bias + n0 + v * 16,
+                        y + m * N + n0 + v * 16);
       }
     }
   }
@@ -254,15 +258,9 @@ void many_rows_times_bf16_panels(const uint32_t* x_pairs, int64_t x_stride,
       }
       for (int64_t m = m_begin; m < m_end; ++m) {
         for (int v = 0; v < Block / 16; ++v) {
-          __m512 out = _mm512_loadu_ps(total.data() + (m - m_begin) * Block + v * 16);
-          if (bias != nullptr) {
-            const __m256i b = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(bias + p * Block + v * 16));
-            const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16);
-            out = _mm512_add_ps(out, _mm512_castsi512_ps(widened));
-          }
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + p * Block + v * 16),
-                              (__m256i)_mm512_cvtneps_pbh(out));
+          store_with_bias(_mm512_loadu_ps(total.data() + (m - m_begin) * Block + v * 16),
+                          bias == nullptr ? nullptr : bias + p * Block + v * 16,
+                          y + m * N + p * Block + v * 16);
         }
       }
     }
