@@ -231,7 +231,7 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
     refused; without AVX512-BF16, bfloat16 stays on oneDNN."""
     gen = torch.Generator().manual_seed(0)
     n = 192  # 3 panels of 64
-    # bfloat16: 1 to 4 rows in one pass, then tiles of 6 and a last one of each smaller size
+    # bfloat16: one tile of up to 6 rows, then tiles of 6 and a last one of each smaller size
     row_counts = range(1, 5) if dtype == torch.float32 else (*range(1, 10), 13, 64)
     for k in (71, 96):  # K odd (bfloat16 pads the last pair), and even
         weight = torch.randn(n, k, generator=gen).to(dtype)
@@ -279,11 +279,11 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
 
 @pytest.mark.skipif(not has_avx512_bf16(), reason="linear_panels takes bfloat16 on AVX512-BF16")
 def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone() -> None:
-    """bfloat16 rows through linear_panels' many-row kernel (tiles of 6, and a last one of each
-    smaller size; several blocks of k, each summed from zero and added to the total, as oneDNN
-    sums a wide input) equal, to the bit, each row computed alone in the 1-row kernel: whatever
-    the batch, the block sizes (oneDNN's for a 1,100-wide input, and 64 k over 200), K odd or
-    even, and x's rows read in place (aligned) or copied (a view 2 bytes off)."""
+    """bfloat16 rows through linear_panels in tiles (of 6, and a last one of each smaller size;
+    several blocks of k, each summed from zero and added to the total, as oneDNN sums a wide input)
+    equal, to the bit, each row computed alone: whatever the batch, the block sizes (oneDNN's for a
+    1,100-wide input, and 64 k over 200), K odd or even, and x's rows read in place (aligned) or
+    copied (a view 2 bytes off)."""
     gen = torch.Generator().manual_seed(1)
     linear_panels = torch.ops.radixserve.linear_panels
     for k, k_block in ((1100, None), (1101, None), (200, 64)):

@@ -1,7 +1,7 @@
 // y = x W^T + b for a few rows of x (a decode step at low concurrency): every weight byte is read
 // once and used for all rows, at memory speed. BLAS sgemm runs this shape at ~half the bandwidth.
 // float32 or bfloat16 (accumulated in float32, rounded once). bfloat16 on oneDNN's own copy of the
-// weight takes many rows too, compute-bound (many_rows_times_bf16_panels): oneDNN's sums to the
+// weight takes many rows too, compute-bound (rows_times_bf16_panels): oneDNN's sums to the
 // bit, faster than oneDNN at a decode step's rows here (fused_ops.BF16_PANEL_ROWS).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -140,58 +140,18 @@ inline void store_with_bias(__m512 sums, const at::BFloat16* bias, at::BFloat16*
 // The same for bfloat16, which oneDNN lays out for vdpbf16ps: a panel is [k_pad / 2][Block][2],
 // each 32-bit lane a pair of consecutive k of one output channel. x comes as pairs as well
 // ([M][k_pad / 2], zero past K), one broadcast to every lane; each vdpbf16ps adds both products
-// of a pair to a lane's float32 sum (4 vectors a row hide its latency at memory speed). The
-// sums run over k in order, in blocks of `block_pairs` pairs, each block's sum from zero and then
-// added to the total: the order oneDNN's own kernel sums many rows in, for the block size
-// PackedWeight found it to use on this shape (packed_linear.py), so that a row's result is
-// oneDNN's to the bit whatever the batch (0: one block). Each output is rounded to bfloat16 once,
-// after the bias.
-template <int M, int Block>
-void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
-                            const at::BFloat16* bias, at::BFloat16* y, int64_t k_pairs,
-                            int64_t block_pairs, int64_t N, int64_t p_begin, int64_t p_end) {
-  constexpr int kVecs = Block / 16;
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    const at::BFloat16* panel = panels + p * k_pairs * 2 * Block;
-    __m512 total[M][kVecs];
-    for (int64_t k0 = 0; k0 < k_pairs; k0 += block_pairs) {
-      __m512 acc[M][kVecs];
-      for (int m = 0; m < M; ++m) {
-        for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_setzero_ps();
-      }
-      const int64_t k1 = std::min(k_pairs, k0 + block_pairs);
-      for (int64_t kp = k0; kp < k1; ++kp) {
-        const at::BFloat16* wk = panel + kp * 2 * Block;
-        __m512bh wv[kVecs];
-        for (int v = 0; v < kVecs; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(wk + v * 32);
-        for (int m = 0; m < M; ++m) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_at(x_pairs, m * k_pairs + kp));
-          for (int v = 0; v < kVecs; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, wv[v]);
-        }
-      }
-      for (int m = 0; m < M; ++m) {
-        for (int v = 0; v < kVecs; ++v) {
-          total[m][v] = k0 == 0 ? acc[m][v] : _mm512_add_ps(total[m][v], acc[m][v]);
-        }
-      }
-    }
-    const int64_t n0 = p * Block;
-    for (int m = 0; m < M; ++m) {
-      for (int v = 0; v < kVecs; ++v) {
-        store_with_bias(total[m][v], bias == nullptr ? nullptr : bias + n0 + v * 16,
-                        y + m * N + n0 + v * 16);
-      }
-    }
-  }
-}
-
-// Many rows: a panel at a time, and in it a block of k at a time (oneDNN's summing blocks), every
-// tile of up to kTileRows rows against that block, which stays in the cache across them; threads
-// take panels, so each reads its part of the weight once (and, where a layer has fewer panels
-// than threads, groups of a panel's rows). A row's sums are rows_times_bf16_panels', operation
-// for operation (each block's sum from zero, added to the total, then the bias, one rounding):
-// a row's result does not depend on how many rows came with it, nor on the threads. A tile's
-// block sums stay in registers; the totals of a group's rows in a buffer of the thread's.
+// of a pair to a lane's float32 sum. The sums run over k in order, in blocks of `block_pairs`
+// pairs, each block's sum from zero and then added to the total: the order oneDNN's own kernel
+// sums many rows in, for the block size PackedWeight found it to use on this shape
+// (packed_linear.py), so that a row's result is oneDNN's to the bit whatever the batch (0: one
+// block). Each output is rounded to bfloat16 once, after the bias.
+//
+// A panel at a time, and in it a block of k at a time, every tile of up to kTileRows rows
+// against that block, which stays in the cache across them (one tile: a decode of a few rows,
+// at memory speed); threads take panels, so each reads its part of the weight once (and, where
+// a layer has fewer panels than threads, groups of a panel's rows). A row's result depends on
+// neither the rows that came with it nor the threads. A tile's block sums stay in registers;
+// the totals of a group's rows in a buffer of the thread's.
 constexpr int kTileRows = 6;
 
 template <int R, int Block>
@@ -228,7 +188,7 @@ void tile_times_bf16_panel_block(const uint32_t* x_pairs, int64_t x_stride,
 }
 
 template <int Block>
-void many_rows_times_bf16_panels(const uint32_t* x_pairs, int64_t x_stride,
+void rows_times_bf16_panels(const uint32_t* x_pairs, int64_t x_stride,
                                  const at::BFloat16* panels, const at::BFloat16* bias,
                                  at::BFloat16* y, int64_t M, int64_t k_pairs, int64_t block_pairs,
                                  int64_t N) {
@@ -267,31 +227,6 @@ void many_rows_times_bf16_panels(const uint32_t* x_pairs, int64_t x_stride,
   });
 }
 
-template <int M, int Block>
-void linear_bf16_panels_m(const uint32_t* x_pairs, const at::BFloat16* panels,
-                          const at::BFloat16* bias, at::BFloat16* y, int64_t k_pairs,
-                          int64_t block_pairs, int64_t N) {
-  at::parallel_for(0, N / Block, 1, [&](int64_t begin, int64_t end) {
-    rows_times_bf16_panels<M, Block>(x_pairs, panels, bias, y, k_pairs, block_pairs, N, begin,
-                                     end);
-  });
-}
-
-template <int Block>
-void linear_bf16_panels_block(const uint32_t* x_pairs, const at::BFloat16* panels,
-                              const at::BFloat16* bias, at::BFloat16* y, int64_t M,
-                              int64_t k_pairs, int64_t block_pairs, int64_t N) {
-  const auto run = [&](auto rows) {
-    linear_bf16_panels_m<decltype(rows)::value, Block>(x_pairs, panels, bias, y, k_pairs,
-                                                       block_pairs, N);
-  };
-  switch (M) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    default: run(std::integral_constant<int, 4>{}); break;
-  }
-}
 #endif
 
 // torch's op `name` (mkldnn::data_ptr, mkldnn::_nbytes) on a oneDNN tensor: where its data
@@ -372,22 +307,14 @@ at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int6
       }
       xs = x_pairs.data();
     }
-    if (M > kMaxPanelRows) {  // past the rows whose sums one pass over the weight keeps
-      const auto many = [&](auto width) {
-        many_rows_times_bf16_panels<decltype(width)::value>(xs, k_pairs, panels, bp, yp, M,
-                                                            k_pairs, block_pairs, n);
-      };
-      switch (block) {
-        case 16: many(std::integral_constant<int, 16>{}); break;
-        case 32: many(std::integral_constant<int, 32>{}); break;
-        default: many(std::integral_constant<int, 64>{}); break;
-      }
-      return y;
-    }
+    const auto run = [&](auto width) {
+      rows_times_bf16_panels<decltype(width)::value>(xs, k_pairs, panels, bp, yp, M, k_pairs,
+                                                     block_pairs, n);
+    };
     switch (block) {
-      case 16: linear_bf16_panels_block<16>(xs, panels, bp, yp, M, k_pairs, block_pairs, n); break;
-      case 32: linear_bf16_panels_block<32>(xs, panels, bp, yp, M, k_pairs, block_pairs, n); break;
-      default: linear_bf16_panels_block<64>(xs, panels, bp, yp, M, k_pairs, block_pairs, n); break;
+      case 16: run(std::integral_constant<int, 16>{}); break;
+      case 32: run(std::integral_constant<int, 32>{}); break;
+      default: run(std::integral_constant<int, 64>{}); break;
     }
     return y;
 #else

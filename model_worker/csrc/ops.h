@@ -8,9 +8,7 @@
 namespace radixserve {
 
 constexpr int64_t kMaxSmallM = 8;  // rows linear_small_m takes; int8_linear's row blocks
-// Rows linear_panels takes in float32; in bfloat16 the most it keeps in one pass over the weight
-// (more go through its many-row kernel)
-constexpr int64_t kMaxPanelRows = 4;
+constexpr int64_t kMaxPanelRows = 4;  // rows linear_panels takes in float32 (bfloat16: any)
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor& k_cache, at::Tensor& v_cache,
