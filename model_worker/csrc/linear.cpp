@@ -188,10 +188,9 @@ void tile_times_bf16_panel_block(const uint32_t* x_pairs, int64_t x_stride,
 }
 
 template <int Block>
-void rows_times_bf16_panels(const uint32_t* x_pairs, int64_t x_stride,
-                                 const at::BFloat16* panels, const at::BFloat16* bias,
-                                 at::BFloat16* y, int64_t M, int64_t k_pairs, int64_t block_pairs,
-                                 int64_t N) {
+void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
+                            const at::BFloat16* bias, at::BFloat16* y, int64_t M, int64_t k_pairs,
+                            int64_t block_pairs, int64_t N) {
   using TileFn = void (*)(const uint32_t*, int64_t, const at::BFloat16*, int64_t, int64_t, bool,
                           float*);
   static constexpr TileFn kTiles[kTileRows] = {
@@ -212,7 +211,7 @@ void rows_times_bf16_panels(const uint32_t* x_pairs, int64_t x_stride,
         const int64_t k1 = std::min(k_pairs, k0 + block_pairs);
         for (int64_t m = m_begin; m < m_end; m += kTileRows) {
           kTiles[std::min<int64_t>(kTileRows, m_end - m) - 1](
-              x_pairs + m * x_stride, x_stride, panel, k0, k1, k0 == 0,
+              x_pairs + m * k_pairs, k_pairs, panel, k0, k1, k0 == 0,
               total.data() + (m - m_begin) * Block);
         }
       }
@@ -308,8 +307,8 @@ at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int6
       xs = x_pairs.data();
     }
     const auto run = [&](auto width) {
-      rows_times_bf16_panels<decltype(width)::value>(xs, k_pairs, panels, bp, yp, M, k_pairs,
-                                                     block_pairs, n);
+      rows_times_bf16_panels<decltype(width)::value>(xs, panels, bp, yp, M, k_pairs, block_pairs,
+                                                     n);
     };
     switch (block) {
       case 16: run(std::integral_constant<int, 16>{}); break;
