@@ -24,8 +24,7 @@ from radixserve.protocol.internal import ProcessReady
 from radixserve.server_args import ServerArgs
 
 _PR_SET_PDEATHSIG = 1
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's malloc.h
-_MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters, glibc's malloc.h
 _TRIM_THRESHOLD = 1 << 30
 
 # An idle main loop still wakes this often to beat, so that only a hung one goes silent.
@@ -126,16 +125,21 @@ def _die_with_parent() -> None:
 def keep_freed_memory() -> None:
     """Make glibc keep freed blocks for reuse instead of giving them back to the kernel.
 
-    By default glibc serves blocks above a moving threshold with fresh mmaps and trims the heap
-    top once enough of it is free, so a forward's temporaries (a layer's gathered K and V: 2 x
-    9 MB at 64 sequences of 190 tokens) are page-faulted in again on every layer of every step.
-    Measured here, one decode attention layer: 9.8 ms with the default, 2.6 ms with fixed
-    thresholds. tcmalloc and jemalloc, which vLLM's CPU backend preloads, behave like this too.
+    By default glibc serves large blocks with fresh mmaps (from a threshold that moves between
+    128 KB and 32 MB) and trims the heap top once enough of it is free, so a forward's
+    temporaries are page-faulted in again on every layer of every step. Measured here: a decode
+    attention layer (its gathered K and V, 2 x 9 MB at 64 sequences of 190 tokens) 9.8 ms with
+    the default, 2.6 ms with the threshold at 32 MB; a 2,048-token prefill chunk of the 0.5B
+    Qwen2 shape in bfloat16, whose gate_up writes 40 MB at each of 24 layers (past any
+    threshold), 234,000 page faults and 3.89 s with that threshold, 3.53 s with no mmaps. So no
+    mmaps, and the heap top trimmed only past 1 GB; the idle model still gives the heap's free
+    pages back (release_freed_memory). tcmalloc and jemalloc, which vLLM's CPU backend preloads,
+    keep freed memory too.
     """
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None)
     if not hasattr(libc, "mallopt"):  # not glibc
         return
-    libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    libc.mallopt(_M_MMAP_MAX, 0)
     libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
