@@ -22,6 +22,17 @@ from radixserve.client.sync_client import Client
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# Run ahead of the server's command on Linux: the kernel sends it SIGTERM (launch.py then stops
+# the whole server) when the thread that started it is gone, so a test run or benchmark killed
+# outright leaves no server holding the cores and ports. A parent already gone by then: exit.
+_DIE_WITH_STARTER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -79,12 +90,17 @@ def launched_server(
 ) -> Iterator[LaunchedServer]:
     """`command` starts the server (an installed `radixserve` entry point, say); `args` follow
     its `--port` and `--http-port` (free ports: servers started at once never collide). With
-    `wait` False it comes back at once, before the server is ready: see `wait_healthy`."""
+    `wait` False it comes back at once, before the server is ready: see `wait_healthy`. The
+    server lives as long as the thread that started it (on Linux), so start it from one that
+    outlives it."""
     port, http_port = free_port(), free_port()
     log_path = Path(tempfile.mkstemp(prefix="radixserve-test-", suffix=".log")[1])
+    starter: tuple[str, ...] = ()
+    if sys.platform.startswith("linux"):
+        starter = (sys.executable, "-c", _DIE_WITH_STARTER, str(os.getpid()))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*command, "--port", str(port), "--http-port", str(http_port), *args],
+            [*starter, *command, "--port", str(port), "--http-port", str(http_port), *args],
             cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
