@@ -3,17 +3,14 @@ other processes on a shared machine barely move (wall time at two threads they d
 taken while others work. Not the serving speed: on an idle machine use bench_vs_peers.py.
 
     python benchmarks/step_cpu_time.py [--model /work/models/qwen2-0.5b] [--dtype bfloat16]
-                                       [--quantization int8 [--int8-layout plain]
-                                                            [--int8-mlp-block-bytes 0]]
+                                       [--quantization int8 [--int8-layout plain]]
                                        [--disable-fused-layers]
 
 Prefills 64 prompts of 128 tokens (two threads), then times on one thread, by the thread's CPU
 time, the best of --repeats: a prefill of 16 of them afresh (2,048 tokens, the default
 --chunked-prefill-size), a decode step of all 64 and one of a single sequence, each through the
 LM head and the argmax. `--int8-layout plain` keeps int8 weights in the plain layout and kernels
-of CPUs without AVX512-VNNI (int8_linear, oneDNN's int8_gemm), for an A/B on a CPU with it;
-`--int8-mlp-block-bytes` sets fused_layers.INT8_MLP_BLOCK_BYTES (0: the MLP takes a prefill
-chunk's rows all at once).
+of CPUs without AVX512-VNNI (int8_linear, oneDNN's int8_gemm), for an A/B on a CPU with it.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import torch
 from bench_backends import Seqs, forward
 from bench_serving import make_prompts
 
-from radixserve.model_worker import fused_layers, quantization
+from radixserve.model_worker import quantization
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.model_source import resolve_model_path
 from radixserve.model_worker.parallel import TPGroup
@@ -47,9 +44,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--int8-layout", default="auto", choices=("auto", "plain"))
-    parser.add_argument(
-        "--int8-mlp-block-bytes", type=int, default=fused_layers.INT8_MLP_BLOCK_BYTES
-    )
     parser.add_argument("--disable-fused-layers", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -57,7 +51,6 @@ def main() -> None:
     keep_freed_memory()
     if args.int8_layout == "plain":  # read as each weight is allocated, while the model loads
         quantization.vnni_layout_available = lambda: False
-    fused_layers.INT8_MLP_BLOCK_BYTES = args.int8_mlp_block_bytes  # read as the model is built
     runner = ModelRunner(
         resolve_model_path(args.model),
         dtype=getattr(torch, args.dtype),
@@ -93,7 +86,7 @@ def main() -> None:
         one_s = min(thread_seconds(lambda: decode([0])) for _ in range(args.repeats))
     layout = ""
     if args.quantization == "int8":
-        layout = f" ({args.int8_layout} layout, MLP blocks of {args.int8_mlp_block_bytes} B)"
+        layout = f" ({args.int8_layout} layout)"
     print(
         f"{args.model}, {args.dtype}, quantization {args.quantization}{layout}, fused layers "
         f"{runner.fused_layers}; thread CPU time at 1 thread, best of {args.repeats}: "

@@ -19,14 +19,6 @@ from radixserve.model_worker.packed_linear import PackedWeight, Panels
 from radixserve.model_worker.quantization import Int8Weight
 from radixserve.model_worker.weight_format import PreparedWeight
 
-# Where the MLP's linears are int8 (a row's result depends on that row alone), a long prefill
-# chunk goes through the MLP in blocks of rows whose gate_up output, counted as float32, is at
-# most this (a bfloat16 model's int8 linears output bfloat16: its blocks take half of it):
-# 2,048 rows' (80 MB on the 0.5B, 200 MB on an 8B) were past glibc's mmap threshold (32 MB at
-# most) and page-faulted in afresh at every layer, as were silu_and_mul's; a block's are reused
-# from the heap (benchmarks/RESULTS.md). 0: the rows all at once.
-INT8_MLP_BLOCK_BYTES = 16 << 20
-
 
 def linear_kernel(
     weight: torch.Tensor | PreparedWeight, bias: torch.Tensor | None
@@ -52,7 +44,7 @@ class FusedDecoderLayers:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float):
         load_cpu_kernels()
         self._layers = torch.classes.radixserve.DecoderLayers(
-            num_heads, num_kv_heads, head_dim, eps, scale, INT8_MLP_BLOCK_BYTES
+            num_heads, num_kv_heads, head_dim, eps, scale
         )
 
     def add_layer(

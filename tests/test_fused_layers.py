@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_sampler import make_info
 
-from radixserve.model_worker import fused_layers, fused_ops, quantization
+from radixserve.model_worker import fused_ops, quantization
 from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.cpu_features import has_avx512_bf16, has_native_bf16
 from radixserve.model_worker.forward_batch import ForwardBatch
@@ -143,13 +143,6 @@ def test_fused_layers_equal_the_modules_around_bf16_panel_rows(tiny_model, monke
     monkeypatch.setattr(fused_ops, "BF16_PANEL_ROWS", 6)
     assert min(STEP_ROWS) <= 6 < max(STEP_ROWS)
     _assert_fused_equals_modules(str(tiny_model("qwen2")), torch.bfloat16, None)
-
-
-def test_fused_layers_take_the_int8_mlp_in_blocks_of_rows(tiny_model, monkeypatch) -> None:
-    """Blocks of one row (the floor of INT8_MLP_BLOCK_BYTES's blocks), through every step: the
-    same logits and KV as the modules, which take the rows all at once."""
-    monkeypatch.setattr(fused_layers, "INT8_MLP_BLOCK_BYTES", 1)
-    _assert_fused_equals_modules(str(tiny_model("qwen2")), torch.float32, "int8")
 
 
 def _assert_fused_equals_modules(path: str, dtype: torch.dtype, quantization: str | None) -> None:

@@ -5,7 +5,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 
-#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -74,12 +73,6 @@ class Linear : public torch::CustomClassHolder {
     }
   }
 
-  // Whether a row's result depends on nothing but that row (int8's exact sums): then rows may go
-  // through in blocks with the same result.
-  bool rows_apart() const { return kind_ == Kind::kInt8 || kind_ == Kind::kInt8Vnni; }
-  // Outputs per row, of the int8 kinds (one weight scale each).
-  int64_t int8_outputs() const { return aux_.numel(); }
-
   at::Tensor forward(const at::Tensor& x) const {
     // int8_linear takes rows of any stride, linear_small_m contiguous x only.
     const bool small = x.size(0) < small_rows_ && (kind_ == Kind::kInt8 || x.is_contiguous());
@@ -110,17 +103,13 @@ class Linear : public torch::CustomClassHolder {
 
 class DecoderLayers : public torch::CustomClassHolder {
  public:
-  // mlp_block_bytes: how large gate_up's output may grow, counted at float32's 4 bytes a value
-  // (a bfloat16 model's outputs take half of it), before the MLP takes the rows in blocks, where
-  // its linears keep rows apart (0: never).
   DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                double scale, int64_t mlp_block_bytes)
+                double scale)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         eps_(eps),
-        scale_(scale),
-        mlp_block_bytes_(mlp_block_bytes) {}
+        scale_(scale) {}
 
   // o_bias and down_bias are added after the matmul, as RowParallelLinear adds them after its
   // all-reduce: the same rounding as the modules.
@@ -163,7 +152,8 @@ class DecoderLayers : public torch::CustomClassHolder {
                                         kv_slots, prefix_lens, extend_lens, scale_);
       at::Tensor o = add_bias(layer.o_proj->forward(attn.reshape({-1, q_size})), layer.o_bias);
       fused_add_rms_norm(o, residual, layer.post_norm, eps_);
-      hidden = add_bias(mlp(layer, o), layer.down_bias);
+      hidden = add_bias(layer.down->forward(silu_and_mul(layer.gate_up->forward(o))),
+                        layer.down_bias);
     }
     return hidden;
   }
@@ -178,36 +168,12 @@ class DecoderLayers : public torch::CustomClassHolder {
     c10::optional<at::Tensor> down_bias;
   };
 
-  // down(silu(gate_up(x))), in blocks of rows whose gate_up output, as float32, stays within
-  // mlp_block_bytes_ where the linears keep rows apart: a long prefill chunk's (2,048 rows x
-  // 9,728 outputs: 80 MB on the 0.5B), past glibc's mmap threshold, was page-faulted in afresh
-  // at every layer, and so was silu's.
-  at::Tensor mlp(const Layer& layer, const at::Tensor& x) const {
-    const int64_t rows = x.size(0);
-    const bool apart = layer.gate_up->rows_apart() && layer.down->rows_apart();
-    const int64_t block =
-        apart ? std::max<int64_t>(1, mlp_block_bytes_ / (4 * layer.gate_up->int8_outputs())) : 0;
-    if (mlp_block_bytes_ <= 0 || !apart || rows <= block) {
-      return layer.down->forward(silu_and_mul(layer.gate_up->forward(x)));
-    }
-    at::Tensor out;
-    for (int64_t begin = 0; begin < rows; begin += block) {
-      const int64_t n = std::min(block, rows - begin);
-      const at::Tensor y =
-          layer.down->forward(silu_and_mul(layer.gate_up->forward(x.narrow(0, begin, n))));
-      if (!out.defined()) out = at::empty({rows, y.size(1)}, y.options());
-      out.narrow(0, begin, n).copy_(y);
-    }
-    return out;
-  }
-
   static at::Tensor add_bias(const at::Tensor& y, const c10::optional<at::Tensor>& bias) {
     return bias.has_value() ? y + *bias : y;
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
-  int64_t mlp_block_bytes_;
   std::vector<Layer> layers_;
 };
 
@@ -216,7 +182,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve, m) {
       .def(torch::init<const std::string&, at::Tensor, c10::optional<at::Tensor>,
                        c10::optional<at::Tensor>, int64_t, int64_t, int64_t, int64_t>());
   m.class_<DecoderLayers>("DecoderLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecoderLayers::add_layer)
       .def("forward", &DecoderLayers::forward);
 }
