@@ -133,8 +133,9 @@ def keep_freed_memory() -> None:
     Qwen2 shape in bfloat16, whose gate_up writes 40 MB at each of 24 layers (past any
     threshold), 234,000 page faults and 3.89 s with that threshold, 3.53 s with no mmaps. So no
     mmaps, and the heap top trimmed only past 1 GB; the idle model still gives the heap's free
-    pages back (release_freed_memory). tcmalloc and jemalloc, which vLLM's CPU backend preloads,
-    keep freed memory too.
+    pages back (release_freed_memory). One exception: a thread's own arena (the forward thread of
+    --enable-overlap-schedule) still maps a block larger than its 64 MB heaps afresh. tcmalloc
+    and jemalloc, which vLLM's CPU backend preloads, keep freed memory too.
     """
     if not sys.platform.startswith("linux"):
         return

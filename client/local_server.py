@@ -92,12 +92,12 @@ def launched_server(
     its `--port` and `--http-port` (free ports: servers started at once never collide). With
     `wait` False it comes back at once, before the server is ready: see `wait_healthy`. The
     server lives as long as the thread that started it (on Linux), so start it from one that
-    outlives it."""
+    outlives it; a command that cannot be run shows as a server that exited while starting."""
     port, http_port = free_port(), free_port()
     log_path = Path(tempfile.mkstemp(prefix="radixserve-test-", suffix=".log")[1])
     starter: tuple[str, ...] = ()
     if sys.platform.startswith("linux"):
-        starter = (sys.executable, "-c", _DIE_WITH_STARTER, str(os.getpid()))
+        starter = (sys.executable, "-I", "-c", _DIE_WITH_STARTER, str(os.getpid()))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [*starter, *command, "--port", str(port), "--http-port", str(http_port), *args],

@@ -4,6 +4,8 @@ so launch.py stops every child and removes its IPC directory; tests/test_faults.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,11 +24,15 @@ SERVER = (
     "time.sleep(600)\n"
 )
 
+# Starts it through launched_server, says what it started (pid, log) and waits to be killed.
 HOLDER = (
     "import sys, time\n"
+    "from pathlib import Path\n"
     "from radixserve.client.local_server import launched_server\n"
     "command = (sys.executable, '-c', sys.argv[1], sys.argv[2])\n"
-    "with launched_server(command=command, wait=False):\n"
+    "with launched_server(command=command, wait=False) as s:\n"
+    "    Path(sys.argv[2], 'started.part').write_text(f'{s.proc.pid} {s.log_path}')\n"
+    "    Path(sys.argv[2], 'started.part').rename(Path(sys.argv[2], 'started'))\n"
     "    time.sleep(600)\n"
 )
 
@@ -51,14 +57,21 @@ def wait_for(condition, timeout: float) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_server_whose_starter_is_killed_outright_gets_sigterm(tmp_path: Path):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, SERVER, str(tmp_path)])
+    server = None
     try:
-        assert wait_for((tmp_path / "pid").exists, 60), "the stand-in server never started"
+        started = tmp_path / "started"
+        assert wait_for(lambda: (tmp_path / "pid").exists() and started.exists(), 60)
         server = int((tmp_path / "pid").read_text())
+        launched, log = started.read_text().split(" ", 1)
+        assert int(launched) == server, "launched_server's proc is not the server's process"
         assert not gone(server)
         holder.kill()  # SIGKILL: launched_server's own clean-up never runs
         holder.wait()
+        Path(log).unlink()  # its log, which that clean-up would have removed
         assert wait_for(lambda: gone(server), 30), "the server outlived its starter"
         assert (tmp_path / "terminated").exists(), "the server was not sent SIGTERM"
     finally:
         holder.kill()
         holder.wait()
+        if server is not None and not gone(server):
+            os.kill(server, signal.SIGKILL)

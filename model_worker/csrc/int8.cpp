@@ -22,9 +22,7 @@ namespace radixserve {
 namespace {
 
 // int8_gemm's int32 products per block of outputs: a block's stay in the L3 cache until
-// rescaled, and the buffer stays below glibc's mmap threshold (process_setup.py), so it is reused
-// rather than page-faulted in afresh; blocks of at least kInt8GemmMinCols outputs keep oneDNN's
-// matmul efficient.
+// rescaled; blocks of at least kInt8GemmMinCols outputs keep oneDNN's matmul efficient.
 constexpr int64_t kInt8GemmBlockBytes = 16 << 20;
 constexpr int64_t kInt8GemmMinCols = 256;
 
