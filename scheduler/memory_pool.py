@@ -31,25 +31,34 @@ class ReqToTokenPool:
 
 
 class TokenSlotAllocator:
-    """Free list of KV slots 1..size. Frees are batched and merged lazily on the next alloc."""
+    """Free list of KV slots 1..size. Slots freed before are handed out (lowest first) before any
+    never used: the pool's pages are then touched only as far as its peak use, where handing out
+    every slot in turn first made a server fault in fresh KV pages at every run of requests until
+    it held the whole pool (the default model: 120,000 page faults a run of 64 x 128/128 and its
+    RSS ~0.4 GB larger after each). Frees are batched, merged by the next alloc that needs them."""
 
     def __init__(self, size: int):
         self.size = size
-        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self._unused = torch.arange(1, size + 1, dtype=torch.int64)  # never handed out
+        self._reusable = torch.empty(0, dtype=torch.int64)  # freed, merged
         self._released: list[torch.Tensor] = []
         self._num_released = 0
 
     @property
     def num_free(self) -> int:
-        return self._free.numel() + self._num_released
+        return self._unused.numel() + self._reusable.numel() + self._num_released
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free slots, or None when fewer are free: the caller decides what to give up."""
         if n > self.num_free:
             return None
-        if n > self._free.numel():
+        if n > self._reusable.numel():
             self._merge()
-        slots, self._free = self._free[:n], self._free[n:]
+        reused = min(n, self._reusable.numel())
+        slots, self._reusable = self._reusable[:reused], self._reusable[reused:]
+        if reused < n:
+            fresh, self._unused = self._unused[: n - reused], self._unused[n - reused :]
+            slots = torch.cat([slots, fresh]) if reused else fresh
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
@@ -60,10 +69,12 @@ class TokenSlotAllocator:
     def free_slots(self) -> torch.Tensor:
         """Every free slot (for invariant checks)."""
         self._merge()
-        return self._free
+        return torch.cat([self._reusable, self._unused])
 
     def _merge(self) -> None:
         if self._released:
-            self._free = torch.cat([self._free, *self._released])
+            # In order, so that a prompt's slots come in runs as they did from the unused ones
+            # (attention reads a run of slots faster than scattered ones).
+            self._reusable = torch.cat([self._reusable, *self._released]).sort().values
             self._released.clear()
             self._num_released = 0
