@@ -92,7 +92,7 @@ def launched_server(
     its `--port` and `--http-port` (free ports: servers started at once never collide). With
     `wait` False it comes back at once, before the server is ready: see `wait_healthy`. The
     server lives as long as the thread that started it (on Linux), so start it from one that
-    outlives it; a command that cannot be run shows as a server that exited while starting."""
+    outlives it; there a command that cannot be run shows as a server that exited while starting."""
     port, http_port = free_port(), free_port()
     log_path = Path(tempfile.mkstemp(prefix="radixserve-test-", suffix=".log")[1])
     starter: tuple[str, ...] = ()

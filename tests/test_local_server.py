@@ -57,17 +57,18 @@ def wait_for(condition, timeout: float) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_server_whose_starter_is_killed_outright_gets_sigterm(tmp_path: Path):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, SERVER, str(tmp_path)])
-    server = None
+    server, log = None, None
     try:
         started = tmp_path / "started"
-        assert wait_for(lambda: (tmp_path / "pid").exists() and started.exists(), 60)
+        assert wait_for(lambda: (tmp_path / "pid").exists() and started.exists(), 60), (
+            "the stand-in server never started"
+        )
         server = int((tmp_path / "pid").read_text())
         launched, log = started.read_text().split(" ", 1)
         assert int(launched) == server, "launched_server's proc is not the server's process"
         assert not gone(server)
         holder.kill()  # SIGKILL: launched_server's own clean-up never runs
         holder.wait()
-        Path(log).unlink()  # its log, which that clean-up would have removed
         assert wait_for(lambda: gone(server), 30), "the server outlived its starter"
         assert (tmp_path / "terminated").exists(), "the server was not sent SIGTERM"
     finally:
@@ -75,3 +76,5 @@ def test_a_server_whose_starter_is_killed_outright_gets_sigterm(tmp_path: Path):
         holder.wait()
         if server is not None and not gone(server):
             os.kill(server, signal.SIGKILL)
+        if log is not None:
+            Path(log).unlink(missing_ok=True)  # launched_server's clean-up, killed, did not

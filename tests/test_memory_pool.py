@@ -20,7 +20,13 @@ def test_freed_slots_go_out_before_unused_ones() -> None:
     assert allocator.num_free == 100 - 12
     allocator.free(second[3:4])
     allocator.free(first[:1])
-    assert allocator.alloc(2).tolist() == [1, 6]  # lowest first: prompts' slots come in runs
+    assert allocator.alloc(2).tolist() == [1, 6]  # in order: prompts' slots come in runs
+    allocator.free(second[:3])
+    assert allocator.alloc(1).tolist() == [3]  # merged now: [3, 4, 5]
+    allocator.free(first[9:10])  # slot 10: not merged while merged ones suffice
+    assert allocator.alloc(1).tolist() == [4]
+    assert allocator.num_free == 100 - 12 + 2
+    assert allocator.alloc(2).tolist() == [5, 10]
     assert allocator.alloc(89) is None and allocator.alloc(88) is not None
 
 
