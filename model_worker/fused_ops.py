@@ -13,22 +13,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixserve.model_worker.cpu_features import has_amx_bf16
 from radixserve.model_worker.packed_linear import PackedWeight, onednn_packing_available
 from radixserve.model_worker.quantization import Int8Weight, int8_small_rows
 from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat
 
 # Rows up to which linear_small_m beats BLAS here (the extension's kMaxSmallM).
 SMALL_M = 8
-# Rows up to which linear_panels beats oneDNN on the same float32 weight, or bfloat16 where the
-# CPU has AMX (benchmarks/RESULTS.md, "An 8B model in 24 GiB: memory" and "bfloat16 at one
-# row"); at most the extension's kMaxPanelRows.
+# Rows up to which linear_panels beats oneDNN on the same float32 weight (benchmarks/RESULTS.md,
+# "An 8B model in 24 GiB: memory"); at most the extension's kMaxPanelRows.
 PANEL_ROWS = 4
 # In bfloat16 on AVX512-BF16 without AMX, linear_panels' kernel for more rows (tiles of 6 rows
 # against a panel, the sums in oneDNN's order) took 0.74-0.88x oneDNN's time at 16 rows,
 # 0.87-0.95x at 64 and 0.93-0.99x at 128 and 256, but 1.02x at 512 and 1.07x at 2,048 (two
 # threads, the weights from memory, SmolLM2-135M's and a 0.5B Qwen2's shapes:
-# benchmarks/bench_panels.py): up to here. With AMX oneDNN multiplies many rows in tiles.
+# benchmarks/bench_panels.py): up to here. With AMX oneDNN multiplies every row count in tiles.
 BF16_PANEL_ROWS = 256
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -142,8 +140,8 @@ def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
     if isinstance(weight, Int8Weight):
         return int8_small_rows()
     if isinstance(weight, PackedWeight):
-        # In oneDNN's panels (float32; bfloat16 on AVX512-BF16) linear_panels reads them for a few
-        # rows (bfloat16 without AMX: up to BF16_PANEL_ROWS, a decode step of many or a short
+        # In oneDNN's panels (float32; bfloat16 on AVX512-BF16 without AMX) linear_panels reads
+        # them for a few rows (bfloat16: up to BF16_PANEL_ROWS, a decode step of many or a short
         # prompt). Otherwise (a layout it does not read) oneDNN at every row count: the plain weight
         # that linear_small_m reads is not kept (packed_linear.py). In bfloat16 it sums in oneDNN's
         # order for many rows (Panels.k_block), so a row's result is the same to the bit in a decode
@@ -151,8 +149,7 @@ def small_kernel_rows(weight: torch.Tensor | PreparedWeight) -> int:
         # computed whole.
         if weight.panels is None:
             return 0
-        many = weight.dtype == torch.bfloat16 and not has_amx_bf16()
-        return (BF16_PANEL_ROWS if many else PANEL_ROWS) + 1
+        return (BF16_PANEL_ROWS if weight.dtype == torch.bfloat16 else PANEL_ROWS) + 1
     return SMALL_M + 1
 
 

@@ -8,11 +8,12 @@ kept: an 8B model's two copies would not fit in 24 GiB.
 
 For one or two rows oneDNN's fixed cost per call outweighs a small layer's matmul: float32 ran
 ~2x faster there in the extension's linear_small_m on a plain copy. oneDNN lays float32 out in
-panels of output channels ([N / block][K padded][block]), and bfloat16 on AVX512-BF16 in panels
-of k pairs ([N / block][K padded / 2][block][2], the operand of vdpbf16ps); where it did that,
-`panels` says so and the extension's linear_panels reads the same copy for a few rows
-(fused_ops.PANEL_ROWS), and in bfloat16 on CPUs without AMX for up to fused_ops.BF16_PANEL_ROWS
-(a decode step of many sequences), where it ran faster than oneDNN on the same copy.
+panels of output channels ([N / block][K padded][block]; a Xeon keeps small K as [K][N]), and
+bfloat16 on AVX512-BF16 in panels of k pairs ([N / block][K padded / 2][block][2], the operand
+of vdpbf16ps); where it did that, `panels` says so and the extension's linear_panels reads the
+same copy for a few rows (fused_ops.PANEL_ROWS), and in bfloat16 for up to
+fused_ops.BF16_PANEL_ROWS (a decode step of many sequences), where it ran faster than oneDNN on
+the same copy. Not bfloat16 on AMX, where oneDNN's tiles sum otherwise (_panels_kernel).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from radixserve.model_worker.cpu_features import has_avx512_bf16
+from radixserve.model_worker.cpu_features import has_amx_bf16, has_avx512_bf16
 from radixserve.model_worker.cpu_kernels import KernelBuildError, load_cpu_kernels
 
 
@@ -88,8 +89,13 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _panels_kernel(dtype: torch.dtype) -> bool:
-    """Whether linear_panels computes this dtype on this CPU (bfloat16: with vdpbf16ps)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and has_avx512_bf16())
+    """Whether linear_panels computes this dtype on this CPU (bfloat16: with vdpbf16ps). Not
+    bfloat16 on AMX: oneDNN multiplies it in AMX tiles at every row count there, whose sums
+    vdpbf16ps does not reproduce, so a row's result would depend on its batch (seen on a Xeon
+    with AMX, 2026-11-27: the probe below passed on some shapes, other rows then differed)."""
+    if dtype == torch.bfloat16:
+        return has_avx512_bf16() and not has_amx_bf16()
+    return dtype == torch.float32
 
 
 def find_panels(weight: torch.Tensor, packed: torch.Tensor) -> Panels | None:

@@ -58,8 +58,15 @@ def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlaceme
     device = resolve_device(args.device)
     if device.type == "cuda":
         if device.index is None:  # one GPU per model process, in placement order
+            count = torch.cuda.device_count()
+            ranks_here = args.tp_size // args.nnodes
+            if ranks_here > count:  # NCCL refuses two ranks of one group on one GPU
+                raise ValueError(
+                    f"--tp-size {args.tp_size} needs {ranks_here} GPUs on each of --nnodes "
+                    f"{args.nnodes}, one per TP rank, but {count} are visible"
+                )
             local = placement.dp_rank * args.tp_size + placement.tp_rank
-            device = torch.device("cuda", local % torch.cuda.device_count())
+            device = torch.device("cuda", local % count)
         # Always, cuda:N too: NCCL and the overlap thread take the current device.
         torch.cuda.set_device(device)
     tp = init_tp_group(placement.tp_rank, args.tp_size, placement.dist_init_addr, device)

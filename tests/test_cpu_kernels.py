@@ -237,10 +237,15 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
         weight = torch.randn(n, k, generator=gen).to(dtype)
         bias = torch.randn(n, generator=gen).to(dtype)
         packed = PackedWeight(weight)
-        if dtype == BF16 and not has_avx512_bf16():
-            assert packed.panels is None
+        if dtype == BF16 and (not has_avx512_bf16() or has_amx_bf16()):
+            assert packed.panels is None  # AMX: oneDNN's tiles sum otherwise (_panels_kernel)
             return
-        assert packed.panels is not None and packed.panels.group == 4 // weight.element_size()
+        if packed.panels is None:  # a Xeon's oneDNN keeps small K unblocked, as [K][N]
+            assert dtype == torch.float32 and torch.ops.radixserve.panels_hold(
+                packed.packed, weight, n, k
+            )
+            continue
+        assert packed.panels.group == 4 // weight.element_size()
         if dtype == BF16 and k % 2 == 0:
             assert packed.panels.k_pad == k  # linear_panels reads x's rows as pairs in place
         linear_panels = torch.ops.radixserve.linear_panels
@@ -290,9 +295,10 @@ def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone() -> None:
         weight = torch.randn(192, k, generator=gen).to(BF16)
         bias = torch.randn(192, generator=gen).to(BF16)
         packed = PackedWeight(weight)
-        p = packed.panels
+        # On AMX PackedWeight reads no panels (_panels_kernel), but the kernel is the same.
+        p = packed.panels or find_panels(weight, packed.packed)
         assert p is not None
-        k_block = p.k_block if k_block is None else k_block
+        k_block = k_block or p.k_block or 1024
         assert 0 < k_block < k  # several blocks
         flat = torch.randn(1 + 64 * k, generator=gen).to(BF16)
         for rows in (*range(5, 10), 13, 64):
@@ -308,7 +314,7 @@ def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone() -> None:
                         for i in range(rows)
                     ]
                     assert torch.equal(many, torch.cat(alone))
-        if k_block == p.k_block:  # and it is oneDNN's sum for these rows
+        if packed.panels is not None and k_block == p.k_block:  # and oneDNN's sum for these rows
             x = flat[: 64 * k].view(64, k)
             assert torch.equal(
                 linear_panels(x, packed.packed, 192, p.k_pad, p.block, k_block, None),
@@ -400,9 +406,12 @@ def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
     for op in ("paged_attention", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
         assert f"radixserve::{op}" in ran
     # The one-row LM head too: only the oneDNN copy of a weight is kept, which float32 (and
-    # bfloat16 on AVX512-BF16) reads in its panels for a few rows.
+    # bfloat16 on AVX512-BF16 without AMX) reads in its panels for a few rows, where oneDNN laid
+    # it out in panels (test_linear_panels_reads_the_weight_onednn_keeps: where it must).
     assert "radixserve::linear_small_m" not in ran
-    assert ("radixserve::linear_panels" in ran) == (dtype == torch.float32 or has_avx512_bf16())
+    head = runner.model.lm_head.weight
+    assert isinstance(head, PackedWeight)
+    assert ("radixserve::linear_panels" in ran) == (head.panels is not None)
     # The prompt's projections: oneDNN's, or in bfloat16 on AVX512-BF16 without AMX
     # linear_panels on oneDNN's copy (it takes a prompt of up to BF16_PANEL_ROWS rows too).
     prompt_on_onednn = any(prompt >= small_kernel_rows(m.weight) for m in linears)
