@@ -53,20 +53,34 @@ logger = logging.getLogger("radixserve.scheduler")
 GRAMMAR_POLL_MS = 5
 
 
+def _rank_gpu(device: torch.device, args: ServerArgs, placement: RankPlacement) -> torch.device:
+    """cuda:N as given, or one GPU per model process in placement order. NCCL refuses two ranks
+    of one TP group on one GPU ("Duplicate GPU detected"): refused here first, in words."""
+    count = torch.cuda.device_count()
+    ranks_here = args.tp_size // args.nnodes
+    if count == 0:
+        raise ValueError(f"--device {args.device}, but no GPU is visible")
+    if device.index is not None:
+        if ranks_here > 1:
+            raise ValueError(
+                f"--device {args.device} puts all {ranks_here} TP ranks on one GPU; NCCL needs "
+                "one each (--device cuda spreads them)"
+            )
+        return device
+    if ranks_here > count:
+        raise ValueError(
+            f"--tp-size {args.tp_size} needs {ranks_here} GPUs on each of --nnodes {args.nnodes}, "
+            f"one per TP rank, but {count} are visible"
+        )
+    local = placement.dp_rank * args.tp_size + placement.tp_rank
+    return torch.device("cuda", local % count)
+
+
 def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlacement) -> ModelRunner:
     """This rank's shard of the model and its KV pool, once its TP group has met."""
     device = resolve_device(args.device)
     if device.type == "cuda":
-        if device.index is None:  # one GPU per model process, in placement order
-            count = torch.cuda.device_count()
-            ranks_here = args.tp_size // args.nnodes
-            if ranks_here > count:  # NCCL refuses two ranks of one group on one GPU
-                raise ValueError(
-                    f"--tp-size {args.tp_size} needs {ranks_here} GPUs on each of --nnodes "
-                    f"{args.nnodes}, one per TP rank, but {count} are visible"
-                )
-            local = placement.dp_rank * args.tp_size + placement.tp_rank
-            device = torch.device("cuda", local % count)
+        device = _rank_gpu(device, args, placement)
         # Always, cuda:N too: NCCL and the overlap thread take the current device.
         torch.cuda.set_device(device)
     tp = init_tp_group(placement.tp_rank, args.tp_size, placement.dist_init_addr, device)
