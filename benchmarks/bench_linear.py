@@ -2,8 +2,9 @@
 F.linear (MKL's sgemm, the baseline), the extension's linear_small_m on the plain weight (up to
 SMALL_M rows), oneDNN's matmul on that same plain weight, oneDNN on a weight reordered once for
 it (`PackedWeight`), and the extension's linear_panels on that reordered weight (up to 4 rows,
-where oneDNN laid it out in panels: float32, and bfloat16 on AVX512-BF16). Only one form of the
-weight is kept in a model: this says which form and which kernels a dtype's rows are fastest on.
+where oneDNN laid it out in panels: float32, and bfloat16 on AVX512-BF16 without AMX). Only one
+form of the weight is kept in a model: this says which form and which kernels a dtype's rows are
+fastest on.
 
     python benchmarks/bench_linear.py [--dtype float32] [--shapes default,qwen2-0.5b]
                                       [--rows 1,2,8,16,64,256,1024] [--rounds 5]

@@ -8,7 +8,8 @@ int8 kernels alone.
                                        [--quantization int8]
 
 float32 is the default dtype on CPUs without bfloat16; bfloat16 reads its panels with
-AVX512-BF16's vdpbf16ps (elsewhere it stays on oneDNN, and both configurations are the same).
+AVX512-BF16's vdpbf16ps where there is no AMX (elsewhere it stays on oneDNN, and both
+configurations are the same).
 Both run cpu_attn with every decoder layer in one call (the default): the model's decoder layers
 are fused twice over the same weights (`fuse_layers` with fused_ops.PANEL_ROWS and
 BF16_PANEL_ROWS as served, then both 0) and the step swaps them, with both set to match for the

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from bench_int8_gemm import layer_shapes
 
-from radixserve.model_worker.cpu_features import has_avx512_bf16
+from radixserve.model_worker.cpu_features import has_amx_bf16, has_avx512_bf16
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.model_source import resolve_model_path
@@ -56,8 +56,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, help="decoder layers to hold (default: all)")
     args = parser.parse_args()
-    if not has_avx512_bf16():
-        raise SystemExit("no AVX512-BF16 here: linear_panels leaves bfloat16 to oneDNN")
+    if not has_avx512_bf16() or has_amx_bf16():
+        raise SystemExit("no AVX512-BF16, or AMX, here: linear_panels leaves bfloat16 to oneDNN")
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     load_cpu_kernels()

@@ -26,7 +26,7 @@ PANEL_ROWS = 4
 # against a panel, the sums in oneDNN's order) took 0.74-0.88x oneDNN's time at 16 rows,
 # 0.87-0.95x at 64 and 0.93-0.99x at 128 and 256, but 1.02x at 512 and 1.07x at 2,048 (two
 # threads, the weights from memory, SmolLM2-135M's and a 0.5B Qwen2's shapes:
-# benchmarks/bench_panels.py): up to here. With AMX oneDNN multiplies every row count in tiles.
+# benchmarks/bench_panels.py): up to here. With AMX oneDNN multiplies in tiles.
 BF16_PANEL_ROWS = 256
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -8,7 +8,8 @@ kept: an 8B model's two copies would not fit in 24 GiB.
 
 For one or two rows oneDNN's fixed cost per call outweighs a small layer's matmul: float32 ran
 ~2x faster there in the extension's linear_small_m on a plain copy. oneDNN lays float32 out in
-panels of output channels ([N / block][K padded][block]; a Xeon keeps small K as [K][N]), and
+panels of output channels ([N / block][K padded][block]; a Xeon with AMX kept K of 71 and 96
+as [K][N], which linear_panels does not read), and
 bfloat16 on AVX512-BF16 in panels of k pairs ([N / block][K padded / 2][block][2], the operand
 of vdpbf16ps); where it did that, `panels` says so and the extension's linear_panels reads the
 same copy for a few rows (fused_ops.PANEL_ROWS), and in bfloat16 for up to
@@ -90,9 +91,10 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _panels_kernel(dtype: torch.dtype) -> bool:
     """Whether linear_panels computes this dtype on this CPU (bfloat16: with vdpbf16ps). Not
-    bfloat16 on AMX: oneDNN multiplies it in AMX tiles at every row count there, whose sums
-    vdpbf16ps does not reproduce, so a row's result would depend on its batch (seen on a Xeon
-    with AMX, 2026-11-27: the probe below passed on some shapes, other rows then differed)."""
+    bfloat16 on AMX: oneDNN multiplies it in AMX tiles there (every call from 4 rows to 512 on
+    a Xeon, 2026-11-27), whose sums vdpbf16ps does not reproduce, so a row's result would
+    depend on its batch (the probe below passed on a 192 x 96 weight, by chance: rows of 24 to
+    512 then differed)."""
     if dtype == torch.bfloat16:
         return has_avx512_bf16() and not has_amx_bf16()
     return dtype == torch.float32

@@ -54,13 +54,16 @@ GRAMMAR_POLL_MS = 5
 
 
 def _rank_gpu(device: torch.device, args: ServerArgs, placement: RankPlacement) -> torch.device:
-    """cuda:N as given, or one GPU per model process in placement order. NCCL refuses two ranks
-    of one TP group on one GPU ("Duplicate GPU detected"): refused here first, in words."""
+    """cuda:N as given, or one GPU per model process of this node in placement order (replicas
+    share GPUs when there are fewer). NCCL refuses two ranks of one TP group on one GPU
+    ("Duplicate GPU detected") and CUDA an ordinal past its GPUs: refused here first, in words."""
     count = torch.cuda.device_count()
-    ranks_here = args.tp_size // args.nnodes
+    ranks_here = args.tp_size // args.nnodes  # this node's ranks of each TP group
     if count == 0:
         raise ValueError(f"--device {args.device}, but no GPU is visible")
     if device.index is not None:
+        if device.index >= count:
+            raise ValueError(f"--device {args.device}, but GPUs 0 to {count - 1} are visible")
         if ranks_here > 1:
             raise ValueError(
                 f"--device {args.device} puts all {ranks_here} TP ranks on one GPU; NCCL needs "
@@ -69,10 +72,10 @@ def _rank_gpu(device: torch.device, args: ServerArgs, placement: RankPlacement) 
         return device
     if ranks_here > count:
         raise ValueError(
-            f"--tp-size {args.tp_size} needs {ranks_here} GPUs on each of --nnodes {args.nnodes}, "
-            f"one per TP rank, but {count} are visible"
+            f"--tp-size {args.tp_size} needs {ranks_here} GPUs on this node, one per TP rank; "
+            f"{count} {'is' if count == 1 else 'are'} visible"
         )
-    local = placement.dp_rank * args.tp_size + placement.tp_rank
+    local = placement.dp_rank * ranks_here + placement.tp_rank % ranks_here
     return torch.device("cuda", local % count)
 
 

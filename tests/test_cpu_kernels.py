@@ -5,6 +5,7 @@ against the torch_native backend on a mixed batch, each fused op against TorchOp
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -222,33 +223,37 @@ def test_fused_ops_equal_torch(kernel_ops, rows: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["f32", "bf16"])
 def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
     """oneDNN keeps a float32 weight in panels of output channels (on AVX2 and AVX-512 alike), and
-    a bfloat16 one on AVX512-BF16 in panels of k pairs; PackedWeight finds them, checked value by
+    a bfloat16 one on AVX512-BF16 without AMX in panels of k pairs (a Xeon with AMX keeps these
+    small-K float32 weights unblocked, [K][N], which linear_panels does not read: proven so, bit
+    for bit); PackedWeight finds them, checked value by
     value, and linear_panels on that one copy is the float64 product rounded once (float32 sums)
     for every row count it takes, K odd and not a multiple of a vector, or even (bfloat16 reads
     x's rows as pairs in place); in bfloat16, whose kernel takes many rows too (tiles of up to 6,
     and a last one of fewer), it is also oneDNN's result for those rows in a batch of many, to
     the bit (the blocks of k it sums in, found at load). A layout that is not the weight's is
-    refused; without AVX512-BF16, bfloat16 stays on oneDNN."""
+    refused; without AVX512-BF16, or with AMX, bfloat16 stays on oneDNN."""
     gen = torch.Generator().manual_seed(0)
     n = 192  # 3 panels of 64
     # bfloat16: one tile of up to 6 rows, then tiles of 6 and a last one of each smaller size
     row_counts = range(1, 5) if dtype == torch.float32 else (*range(1, 10), 13, 64)
+    linear_panels = torch.ops.radixserve.linear_panels
+    in_panels = None
     for k in (71, 96):  # K odd (bfloat16 pads the last pair), and even
         weight = torch.randn(n, k, generator=gen).to(dtype)
         bias = torch.randn(n, generator=gen).to(dtype)
         packed = PackedWeight(weight)
         if dtype == BF16 and (not has_avx512_bf16() or has_amx_bf16()):
-            assert packed.panels is None  # AMX: oneDNN's tiles sum otherwise (_panels_kernel)
+            assert packed.panels is None  # no vdpbf16ps, or oneDNN's AMX tiles sum otherwise
             return
         if packed.panels is None:  # a Xeon's oneDNN keeps small K unblocked, as [K][N]
             assert dtype == torch.float32 and torch.ops.radixserve.panels_hold(
                 packed.packed, weight, n, k
             )
             continue
+        in_panels = packed, packed.panels
         assert packed.panels.group == 4 // weight.element_size()
         if dtype == BF16 and k % 2 == 0:
             assert packed.panels.k_pad == k  # linear_panels reads x's rows as pairs in place
-        linear_panels = torch.ops.radixserve.linear_panels
         for rows in row_counts:
             x = torch.randn(rows, k, generator=gen).to(dtype)
             for b in (None, bias):
@@ -266,11 +271,11 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
                     assert torch.equal(got, many[:rows])
                 if rows < small_kernel_rows(packed):  # what the model runs for these rows
                     assert torch.equal(kernel_ops.linear(x, packed, b), got)
-    if dtype == torch.float32:
+    if dtype == torch.float32 and in_panels is not None:
+        packed, panels = in_panels
+        x = torch.randn(5, packed.shape[1]).to(dtype)
         with pytest.raises(RuntimeError, match="1 to 4 rows"):
-            linear_panels(
-                torch.randn(5, k).to(dtype), packed.packed, n, packed.panels.k_pad, 64, 0, None
-            )
+            linear_panels(x, packed.packed, n, panels.k_pad, 64, 0, None)
     k = 71
     weight = torch.randn(n, k, generator=gen).to(dtype)
     packed = PackedWeight(weight)
@@ -295,10 +300,17 @@ def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone() -> None:
         weight = torch.randn(192, k, generator=gen).to(BF16)
         bias = torch.randn(192, generator=gen).to(BF16)
         packed = PackedWeight(weight)
-        # On AMX PackedWeight reads no panels (_panels_kernel), but the kernel is the same.
-        p = packed.panels or find_panels(weight, packed.packed)
-        assert p is not None
-        k_block = k_block or p.k_block or 1024
+        if has_amx_bf16():
+            # PackedWeight reads no bfloat16 panels on AMX (_panels_kernel); the kernel's rows
+            # must still agree on oneDNN's layout there, in the blocks of k it sums wide K in on
+            # the EPYC (any several blocks would do).
+            p = find_panels(weight, packed.packed)
+            assert p is not None
+            p = replace(p, k_block=1024)
+        else:
+            p = packed.panels
+            assert p is not None
+        k_block = p.k_block if k_block is None else k_block
         assert 0 < k_block < k  # several blocks
         flat = torch.randn(1 + 64 * k, generator=gen).to(BF16)
         for rows in (*range(5, 10), 13, 64):
@@ -411,7 +423,9 @@ def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
     assert "radixserve::linear_small_m" not in ran
     head = runner.model.lm_head.weight
     assert isinstance(head, PackedWeight)
-    assert ("radixserve::linear_panels" in ran) == (head.panels is not None)
+    # bfloat16's linear_panels takes the prompt's rows too (up to BF16_PANEL_ROWS)
+    prompt_on_panels = dtype == BF16 and any(m.weight.panels is not None for m in linears)
+    assert ("radixserve::linear_panels" in ran) == (head.panels is not None or prompt_on_panels)
     # The prompt's projections: oneDNN's, or in bfloat16 on AVX512-BF16 without AMX
     # linear_panels on oneDNN's copy (it takes a prompt of up to BF16_PANEL_ROWS rows too).
     prompt_on_onednn = any(prompt >= small_kernel_rows(m.weight) for m in linears)

@@ -145,6 +145,34 @@ def test_each_node_runs_its_share_of_every_replicas_ranks() -> None:
     assert [p.process_name for p in local_placements(args)][2] == "scheduler_dp1_tp2"
 
 
+def test_each_model_process_of_a_node_gets_its_own_gpu_or_a_refusal_in_words(monkeypatch) -> None:
+    """The GPUs a node's model processes take (as many as the test says are visible), and the
+    placements NCCL or CUDA would refuse, refused first: two ranks of one TP group on one GPU
+    was NCCL's "Duplicate GPU detected" on a one-GPU H100 box, 2026-11-27."""
+    from radixserve.scheduler.process import _rank_gpu
+
+    def gpus(visible: int, device: str = "cuda", **flags: object) -> list[int | None]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        args = ServerArgs(device=device, **flags)
+        return [_rank_gpu(torch.device(device), args, p).index for p in local_placements(args)]
+
+    assert gpus(4, tp_size=2, dp_size=2) == [0, 1, 2, 3]
+    assert gpus(1, dp_size=2) == [0, 0]  # replicas share a GPU: two TP groups of one rank
+    # node 1 of two, 4 GPUs: its share of each replica's ranks, every GPU once
+    two_nodes = dict(tp_size=4, dp_size=2, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
+    assert gpus(4, **two_nodes) == [0, 1, 2, 3]
+    assert gpus(2, "cuda:1") == [1]
+    refusals = {
+        (0, "cuda", 1): "--device cuda, but no GPU is visible",
+        (1, "cuda", 2): "--tp-size 2 needs 2 GPUs on this node, one per TP rank; 1 is visible",
+        (2, "cuda:2", 1): "--device cuda:2, but GPUs 0 to 1 are visible",
+        (2, "cuda:0", 2): "--device cuda:0 puts all 2 TP ranks on one GPU",
+    }
+    for (visible, device, tp_size), message in refusals.items():
+        with pytest.raises(ValueError, match=message):
+            gpus(visible, device, tp_size=tp_size)
+
+
 def test_parallel_flags_that_do_not_fit_are_named() -> None:
     wrong = {
         "--tp-size 3 does not split over --nnodes 2": dict(

@@ -14,7 +14,7 @@ from test_sampler import make_info
 
 from radixserve.model_worker import fused_ops, quantization
 from radixserve.model_worker.batch import ModelWorkerBatch
-from radixserve.model_worker.cpu_features import has_avx512_bf16, has_native_bf16
+from radixserve.model_worker.cpu_features import has_amx_bf16, has_avx512_bf16, has_native_bf16
 from radixserve.model_worker.forward_batch import ForwardBatch
 from radixserve.model_worker.fused_ops import PANEL_ROWS, SMALL_M, CpuKernelOps
 from radixserve.model_worker.model_runner import ModelRunner
@@ -136,7 +136,10 @@ def test_fused_layers_equal_the_modules_on_plain_int8(tiny_model, monkeypatch, o
     _assert_fused_equals_modules(str(tiny_model("qwen3")), torch.float32, "int8")
 
 
-@pytest.mark.skipif(not has_avx512_bf16(), reason="linear_panels takes bfloat16 on AVX512-BF16")
+@pytest.mark.skipif(
+    not has_avx512_bf16() or has_amx_bf16(),
+    reason="linear_panels takes bfloat16 on AVX512-BF16 without AMX (packed_linear._panels_kernel)",
+)
 def test_fused_layers_equal_the_modules_around_bf16_panel_rows(tiny_model, monkeypatch) -> None:
     """bfloat16's linear_panels for as many rows as BF16_PANEL_ROWS (6 here, so that the steps'
     row counts cross it; 256 as served), oneDNN from there on."""

@@ -168,9 +168,9 @@ def _batch(input_ids: torch.Tensor, sampling: Any) -> ModelWorkerBatch:
 
 SERVER_ARGS = ("--max-total-tokens", "1200", "--chunked-prefill-size", "48")
 SERVER_ARGS += ("--max-prefill-tokens", "96", "--check-invariants")
-# The same tokens however requests are batched needs kernels whose rows do not depend on their
-# batch: the CPU's are built so; cuBLAS picks kernels by shape (on an H100 the servers' greedy
-# tokens from this random model parted, 2026-11-27), as in SGLang without deterministic mode.
+# The two servers batch requests differently. On the CPU a row's float32 logits then differ by
+# rounding noise only, which leaves this model's greedy tokens alone; on an H100 they parted
+# (2026-11-27; CUDA's kernels are chosen by shape), as in SGLang without its deterministic mode.
 SERVER_ARGS += ("--device", "cpu")
 SPECULATIVE = ("--speculative-algorithm", "NGRAM", "--speculative-disable-by-batch-size", "3")
 

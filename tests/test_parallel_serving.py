@@ -52,10 +52,10 @@ FAMILIES = [
 ]
 
 
-# One thread per model process: the ranks share two cores here. NCCL needs a GPU per TP rank:
-# with fewer than two, the ranks meet over gloo on the CPU.
+# One thread per model process: the ranks share two cores here. On the CPU on a GPU box too:
+# the tokens are checked against transformers' on the CPU, and NCCL needs a GPU per TP rank.
 FLAGS = ("--dtype", "float32", "--num-threads", "1", "--max-total-tokens", "8192")
-FLAGS += ("--device", "auto" if torch.cuda.device_count() >= 2 else "cpu")
+FLAGS += ("--device", "cpu")
 
 
 def serve(model: Path, *args: str) -> Iterator[LaunchedServer]:
