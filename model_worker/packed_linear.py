@@ -9,12 +9,12 @@ kept: an 8B model's two copies would not fit in 24 GiB.
 For one or two rows oneDNN's fixed cost per call outweighs a small layer's matmul: float32 ran
 ~2x faster there in the extension's linear_small_m on a plain copy. oneDNN lays float32 out in
 panels of output channels ([N / block][K padded][block]; a Xeon with AMX kept K of 71 and 96
-as [K][N], which linear_panels does not read), and
-bfloat16 on AVX512-BF16 in panels of k pairs ([N / block][K padded / 2][block][2], the operand
-of vdpbf16ps); where it did that, `panels` says so and the extension's linear_panels reads the
-same copy for a few rows (fused_ops.PANEL_ROWS), and in bfloat16 for up to
-fused_ops.BF16_PANEL_ROWS (a decode step of many sequences), where it ran faster than oneDNN on
-the same copy. Not bfloat16 on AMX, where oneDNN's tiles sum otherwise (_panels_kernel).
+as [K][N], which linear_panels does not read), and bfloat16 on AVX512-BF16 in panels of k pairs
+([N / block][K padded / 2][block][2], the operand of vdpbf16ps); where it did that, `panels`
+says so and the extension's linear_panels reads the same copy for a few rows
+(fused_ops.PANEL_ROWS), and in bfloat16 for up to fused_ops.BF16_PANEL_ROWS (a decode step of
+many sequences), where it ran faster than oneDNN on the same copy. Not bfloat16 on AMX, where
+oneDNN's tiles sum otherwise (_panels_kernel).
 """
 
 from __future__ import annotations

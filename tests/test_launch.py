@@ -233,7 +233,8 @@ def test_a_child_that_fails_while_starting_is_one_line_naming_it_and_why():
 
 def test_a_gpu_that_is_not_there_is_named_before_nccl_or_cuda_fails():
     """--device cuda with no GPU visible was a ZeroDivisionError; --tp-size 2 on one GPU was
-    NCCL's "Duplicate GPU detected" (on an H100, 2026-11-27): the same check refuses both."""
+    NCCL's "Duplicate GPU detected" (on an H100, 2026-11-27): one check refuses both
+    (test_dp_tp_units.py runs it on every case)."""
     code, log = start_and_fail("--device", "cuda", env={"CUDA_VISIBLE_DEVICES": ""})
     assert code == 1
     assert "Traceback" not in log, log
