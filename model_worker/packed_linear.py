@@ -91,8 +91,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _panels_kernel(dtype: torch.dtype) -> bool:
     """Whether linear_panels computes this dtype on this CPU (bfloat16: with vdpbf16ps). Not
-    bfloat16 on AMX: oneDNN multiplies it in AMX tiles there (every call from 4 rows to 512 on
-    a Xeon, 2026-11-27), whose sums vdpbf16ps does not reproduce, so a row's result would
+    bfloat16 on AMX: oneDNN multiplies it in AMX tiles there (every call looked at, 4 to 512
+    rows, on a Xeon, 2026-11-27), whose sums vdpbf16ps does not reproduce, so a row's result would
     depend on its batch (the probe below passed on a 192 x 96 weight, by chance: rows of 24 to
     512 then differed)."""
     if dtype == torch.bfloat16:

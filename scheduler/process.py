@@ -55,8 +55,9 @@ GRAMMAR_POLL_MS = 5
 
 def _rank_gpu(device: torch.device, args: ServerArgs, placement: RankPlacement) -> torch.device:
     """cuda:N as given, or one GPU per model process of this node in placement order (replicas
-    share GPUs when there are fewer). NCCL refuses two ranks of one TP group on one GPU
-    ("Duplicate GPU detected") and CUDA an ordinal past its GPUs: refused here first, in words."""
+    share GPUs when there are fewer, with --mem-fraction-static lowered to fit). NCCL refuses
+    two ranks of one TP group on one GPU ("Duplicate GPU detected") and CUDA an ordinal past
+    its GPUs: refused here first, in words."""
     count = torch.cuda.device_count()
     ranks_here = args.tp_size // args.nnodes  # this node's ranks of each TP group
     if count == 0:

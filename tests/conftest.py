@@ -19,8 +19,9 @@ def pytest_report_header() -> str:
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """Where the in-process model tests run: the CPU, or `RADIXSERVE_TEST_DEVICE=cuda` on a GPU
-    box (the server tests take the GPU there by themselves, `--device auto`, except where they
-    check tokens that only the CPU's kernels keep whatever the batch)."""
+    box (the server tests take the GPU there by themselves, `--device auto`, except overlap's,
+    whose tokens must not depend on the batch, and TP's, checked against transformers on the
+    CPU)."""
     return torch.device(os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu"))
 
 

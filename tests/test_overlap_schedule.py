@@ -168,9 +168,11 @@ def _batch(input_ids: torch.Tensor, sampling: Any) -> ModelWorkerBatch:
 
 SERVER_ARGS = ("--max-total-tokens", "1200", "--chunked-prefill-size", "48")
 SERVER_ARGS += ("--max-prefill-tokens", "96", "--check-invariants")
-# The two servers batch requests differently. On the CPU a row's float32 logits then differ by
-# rounding noise only, which leaves this model's greedy tokens alone; on an H100 they parted
-# (2026-11-27; CUDA's kernels are chosen by shape), as in SGLang without its deterministic mode.
+# The two servers batch requests differently (`--dtype auto`: bfloat16 on CPUs with it). Their
+# greedy tokens agree where a row's logits do not depend on its batch: on the CPU, whose kernels
+# give bfloat16 rows the same bits (linear_panels sums as oneDNN does; on AMX oneDNN takes every
+# row count) and float32 rows the same up to rounding. On an H100, in bfloat16, they parted
+# (2026-11-27: CUDA's kernels are chosen by shape), as in SGLang without its deterministic mode.
 SERVER_ARGS += ("--device", "cpu")
 SPECULATIVE = ("--speculative-algorithm", "NGRAM", "--speculative-disable-by-batch-size", "3")
 
