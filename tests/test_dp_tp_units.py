@@ -148,7 +148,9 @@ def test_each_node_runs_its_share_of_every_replicas_ranks() -> None:
 def test_each_model_process_of_a_node_gets_its_own_gpu_or_a_refusal_in_words(monkeypatch) -> None:
     """The GPUs a node's model processes take (as many as the test says are visible), and the
     placements NCCL or CUDA would refuse, refused first: two ranks of one TP group on one GPU
-    was NCCL's "Duplicate GPU detected" on a one-GPU H100 box, 2026-11-27."""
+    was NCCL's "Duplicate GPU detected" on a one-GPU H100 box, 2026-11-27, and `--device cuda`
+    with none a ZeroDivisionError. (A scheduler's ValueError at start reaches the launcher's log
+    as one line: test_launch.py.)"""
     from radixserve.scheduler.process import _rank_gpu
 
     def gpus(visible: int, device: str = "cuda", **flags: object) -> list[int | None]:

@@ -2,7 +2,10 @@
 the test's own: a build killed halfway never blocks the next start, two environments on one
 cache keep their own builds, and a cache that cannot be written falls back to torch_native.
 
-One full build for the whole module (the killed one is stopped as soon as it starts)."""
+One build for the whole module (the killed one is stopped as soon as it starts), of one small
+unit of the real sources: the cache's lock, half builds and keys are what is tested, and they do
+not depend on what is compiled (the suite's own first load builds and loads the whole extension
+through the same code). The whole extension here took 50-80 s of CI's 10 minutes."""
 
 from __future__ import annotations
 
@@ -20,11 +23,10 @@ LOAD = (
     "import logging, sys\n"
     "logging.basicConfig(level='INFO', format='%(message)s')\n"
     "from radixserve.model_worker import cpu_kernels\n"
+    "cpu_kernels.UNITS = (('argmax.cpp',),)  # one unit, no op registered: a ~15 s build\n"
     "print(cpu_kernels.kernel_build_dir(), flush=True)\n"
     "if sys.argv[1:] == ['load']:\n"
-    "    cpu_kernels.load_cpu_kernels()\n"
-    "    import torch\n"
-    "    assert torch.ops.radixserve.paged_attention is not None\n"
+    "    cpu_kernels.load_cpu_kernels()  # raises if the library is not there or does not load\n"
 )
 
 
