@@ -166,12 +166,14 @@ def _batch(input_ids: torch.Tensor, sampling: Any) -> ModelWorkerBatch:
 
 # ---- two real servers, tiny random model ---------------------------------------------------
 
-SERVER_ARGS = ("--max-total-tokens", "1200", "--chunked-prefill-size", "48")
-SERVER_ARGS += ("--max-prefill-tokens", "96", "--check-invariants")
+LIMITS = ("--max-total-tokens", "1200", "--chunked-prefill-size", "48")
+LIMITS += ("--max-prefill-tokens", "96", "--check-invariants")
+SERVER_ARGS = LIMITS
 # The two servers batch requests differently (`--dtype auto`: bfloat16 on CPUs with it). Their
 # greedy tokens agree where a row's logits do not depend on its batch: on the CPU, whose kernels
 # give bfloat16 rows the same bits (linear_panels sums as oneDNN does; on AMX oneDNN takes every
-# row count) and float32 rows the same up to rounding. On an H100, in bfloat16, they parted
+# row count, batch-invariant at this tiny model's shapes, not at a 0.5B's) and float32 rows the
+# same up to rounding. On an H100, in bfloat16, they parted
 # (2026-11-27: CUDA's kernels are chosen by shape), as in SGLang without its deterministic mode.
 SERVER_ARGS += ("--device", "cpu")
 SPECULATIVE = ("--speculative-algorithm", "NGRAM", "--speculative-disable-by-batch-size", "3")
@@ -193,9 +195,27 @@ def servers(tiny_served_model):
         yield {"overlap": overlap, "off": off}
 
 
-async def _mixed_load(address: str) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def device_servers(servers, tiny_served_model, device):
+    """The two modes on the test device: on a GPU box (`RADIXSERVE_TEST_DEVICE=cuda`), where
+    overlap is the default, two more servers there (no NGRAM: a verify's rows are another
+    shape); on the CPU, `servers`."""
+    if device.type == "cpu":
+        yield servers
+        return
+    model = str(tiny_served_model)
+    on_device = ("--model", model, *LIMITS, "--device", str(device))
+    with (
+        launched_server(*on_device, "--enable-overlap-schedule") as overlap,
+        launched_server(*on_device, "--disable-overlap-schedule") as off,
+    ):
+        yield {"overlap": overlap, "off": off}
+
+
+async def _mixed_load(address: str, at_once: bool = True) -> dict[str, Any]:
     """Concurrent greedy requests: long prompts in chunks beside decodes, enough of them to
-    retract, stop strings, n = 2, penalties, logprobs, and one aborted mid-stream."""
+    retract, stop strings, n = 2, penalties, logprobs, and one aborted mid-stream; or the same
+    requests one after another (`at_once=False`)."""
     rng = random.Random(5)
     words = ["the", "of", "sea", "a", "village", "lived", "once", "upon", "time", "by", "and"]
     prompts = [" ".join(rng.choices(words, k=rng.randrange(4, 120))) for _ in range(10)]
@@ -229,7 +249,12 @@ async def _mixed_load(address: str) -> dict[str, Any]:
                     results["aborted"] = chunk.meta_info.finish_reason.type
             assert n < 200
 
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), aborted())
+        if at_once:
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), aborted())
+        else:
+            for i, p in enumerate(prompts):
+                await one(i, p)
+            await aborted()
         results["info"] = await c.server_info()
     return results
 
@@ -260,6 +285,27 @@ def test_servers_with_and_without_overlap_give_the_same_tokens(servers) -> None:
     for mode, i in info.items():
         assert i.running_requests == 0 and i.kv_tokens_used == 0, mode
     assert info["overlap"].spec_verifies > 0 and info["off"].spec_verifies == 0
+
+
+def test_one_request_at_a_time_gives_the_same_tokens_on_the_test_device(device_servers) -> None:
+    """Overlap's own parts (placeholder tokens, the forward on its thread, the step's copy
+    back) on the test device, CUDA included, where `servers`' test cannot go: one request (or
+    one n = 2 pair) at a time, every step's batch is the same in both modes, and so are its
+    rows' bits whatever the kernels choose by shape."""
+    results = {
+        mode: asyncio.run(_mixed_load(s.address, at_once=False))
+        for mode, s in device_servers.items()
+    }
+    for r in results.values():
+        r.pop("info")
+        assert r.pop("aborted") == "abort"
+    assert _tokens(results["overlap"]) == _tokens(results["off"])
+    logprobs = {
+        mode: [lp for ps in r.values() for v in ps.values() for p in v for lp in p[2]]
+        for mode, r in results.items()
+    }
+    assert logprobs["overlap"] == pytest.approx(logprobs["off"], abs=1e-5)
+    assert len(logprobs["off"]) > 50
 
 
 def _tokens(results: dict[str, Any]) -> dict[str, dict[int, list[list[int]]]]:

@@ -46,6 +46,7 @@ def server(greedy_by_default_model: Path) -> Iterator[LaunchedServer]:
         "--attention-backend": "cpu_attn",
         "--api-key": KEY,
         "--max-request-bytes": str(MAX_BODY),
+        "--device": "cpu",  # int8 and cpu_attn are the CPU's, on a GPU box too
     }
     args = [part for flag, value in flags.items() for part in (flag, value)]
     with launched_server("--model", str(greedy_by_default_model), *args, "--check-invariants") as s:
@@ -108,7 +109,8 @@ def test_auto_falls_back_to_torch_native_when_the_kernels_cannot_build(
     compiler.chmod(0o755)
     monkeypatch.setenv("CXX", str(compiler))
     monkeypatch.setenv("RADIXSERVE_KERNEL_CACHE", str(tmp_path / "kernels"))
-    with launched_server("--model", str(tiny_served_model), "--dtype", "float32") as s:
+    args = ("--dtype", "float32", "--device", "cpu")  # the CPU's kernels, on a GPU box too
+    with launched_server("--model", str(tiny_served_model), *args) as s:
         with Client(s.address, timeout=120) as c:
             out = c.generate("Hi there", sampling_params={"max_new_tokens": 3, "temperature": 0})
         log = s.log()
