@@ -19,9 +19,9 @@ def pytest_report_header() -> str:
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """Where the in-process model tests run: the CPU, or `RADIXSERVE_TEST_DEVICE=cuda` on a GPU
-    box (the server tests take the GPU there by themselves, `--device auto`, except overlap's,
-    whose tokens must not depend on the batch, and TP's, checked against transformers on the
-    CPU)."""
+    box (the server tests take the GPU there by themselves, `--device auto`, except those whose
+    tokens must not depend on the batch (overlap's batched test, the fuzz's), TP's, checked
+    against transformers on the CPU, and those of CPU-only flags)."""
     return torch.device(os.environ.get("RADIXSERVE_TEST_DEVICE", "cpu"))
 
 
