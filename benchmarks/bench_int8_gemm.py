@@ -3,11 +3,13 @@ its own weight layout (int8_vnni_linear, where the CPU has AVX512-VNNI) against 
 path (int8_linear below 9 rows, oneDNN's int8 matmul in int8_gemm from there on), and bfloat16 on
 oneDNN's packed weight; with --peak, what a loop of independent vpdpbusd reaches on this core;
 with --one-row-cold, one row through every decoder layer's linears in turn, as a decode step of
-one sequence reads them (from memory, not from the cache a layer's repeats keep them in).
+one sequence reads them (from memory, not from the cache a layer's repeats keep them in); with
+--cold-rows N, N rows through each shape's VNNI linear, every layer's own weight in turn (cold)
+against one layer's weight as many times (hot).
 
     python benchmarks/bench_int8_gemm.py [--model /work/models/qwen2-0.5b]
                                          [--rows 1,8,16,64,256,2048] [--threads 1] [--repeats 5]
-                                         [--peak] [--one-row-cold]
+                                         [--peak] [--one-row-cold] [--cold-rows 64]
 
 Prints the best of --repeats per kernel (two turns each), in ms and GOPS (2 x multiply-adds),
 and plain / VNNI. With --threads 1 (the default) it times the thread's CPU time, which other
@@ -92,6 +94,32 @@ def kernels_for(
     return kernels
 
 
+def cold_and_hot(config: ModelConfig, rows: int, repeats: int, clock: Callable[[], float]) -> None:
+    """Per decoder-layer shape, the VNNI linear on `rows` rows over every layer's own weight in
+    turn (cold: from memory, as a step reads them) and over the first layer's as many times
+    (hot), ms a call, the best of `repeats` passes in two turns each."""
+    gen = torch.Generator().manual_seed(2)
+    print(f"{rows} rows through {config.num_hidden_layers} layers' VNNI linears:")
+    for name, (n, k) in layer_shapes(config).items():
+        if name == "lm_head":
+            continue  # one per step: never hot
+        weights = [
+            Int8Weight(torch.randn(n, k, generator=gen) * 0.05, vnni=True)
+            for _ in range(config.num_hidden_layers)
+        ]
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        ms: dict[str, float] = {}
+        for _ in range(2):
+            for mode, seq in (("hot", [weights[0]] * len(weights)), ("cold", weights)):
+                run = lambda seq=seq, x=x: [w.matmul(x, None) for w in seq]  # noqa: E731
+                t = best_ms(run, repeats, clock) / len(seq)
+                ms[mode] = min(ms.get(mode, t), t)
+        print(
+            f"  {name}: hot {ms['hot']:.3f} ms, cold {ms['cold']:.3f} ms, "
+            f"cold / hot {ms['cold'] / ms['hot']:.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="/work/models/qwen2-0.5b")
@@ -100,6 +128,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak", action="store_true", help="time a vpdpbusd loop first")
     parser.add_argument("--one-row-cold", action="store_true", help="then one row, every layer")
+    parser.add_argument("--cold-rows", type=int, default=0, help="then N rows, cold and hot")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -115,8 +144,11 @@ def main() -> None:
         print(f"vpdpbusd loop, one thread: {2 * peak / 1e9:.0f} GOPS")
     if not has_vnni:
         print("no AVX512-VNNI here: the VNNI columns stay empty")
-    elif args.one_row_cold:
-        one_row_cold(config)
+    else:
+        if args.one_row_cold:
+            one_row_cold(config)
+        if args.cold_rows:
+            cold_and_hot(config, args.cold_rows, args.repeats, clock)
     print()
     print("| layer | rows | plain ms | VNNI ms | bf16 ms | plain GOPS | VNNI GOPS | plain / VNNI |")
     print("|---|---|---|---|---|---|---|---|")
