@@ -230,9 +230,9 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
     for bit); PackedWeight finds them, checked value by value, and linear_panels on that one
     copy is the float64 product rounded once (float32 sums) for every row count it takes, K odd
     and not a multiple of a vector, or even (bfloat16 reads x's rows as pairs in place); in
-    bfloat16, whose kernel takes many rows too (tiles of up to 6,
-    and a last one of fewer), it is also oneDNN's result for those rows in a batch of many, to
-    the bit (the blocks of k it sums in, found at load). A layout that is not the weight's is
+    bfloat16, whose kernel takes many rows too (tiles of up to 6, and a last one of fewer), it
+    is also oneDNN's result for those rows in a batch of many, to the bit (the blocks of k it
+    sums in, found at load). A layout that is not the weight's is
     refused; without AVX512-BF16, or with AMX, bfloat16 stays on oneDNN."""
     gen = torch.Generator().manual_seed(0)
     n = 192  # 3 panels of 64
