@@ -15,7 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.model_worker.attention import AttentionBackend, TorchNativeBackend
+from radixserve.model_worker.attention import (
+    GPU_KV_LEN_BUCKET,
+    AttentionBackend,
+    TorchNativeBackend,
+)
 from radixserve.model_worker.cpu_attention import CpuAttnBackend
 from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.cpu_kernels import cpu_kernels_available
@@ -41,7 +45,8 @@ def select_kernels(
     if name == "auto":
         name = "cpu_attn" if why_not is None and cpu_kernels_available() else "torch_native"
     if name == "torch_native":
-        return Kernels(name, TorchNativeBackend(num_heads, num_kv_heads), TorchOps())
+        bucket = GPU_KV_LEN_BUCKET if device.type == "cuda" else 1
+        return Kernels(name, TorchNativeBackend(num_heads, num_kv_heads, bucket), TorchOps())
     if why_not is not None:
         raise ValueError(f"--attention-backend cpu_attn: {why_not}")
     return Kernels(name, CpuAttnBackend(num_heads, num_kv_heads), CpuKernelOps())

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_sampler import make_info
 
+from radixserve.model_worker.attention import TorchNativeBackend
 from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.forward_batch import ForwardBatch
 from radixserve.model_worker.kernel_selection import select_kernels
@@ -16,7 +17,9 @@ from radixserve.model_worker.kv_pool import TokenToKVPool
 
 HEAD_DIM = 8  # below one AVX2 vector: the kernel's tail paths run too
 NUM_SLOTS = 400
-BACKENDS = ["torch_native", "cpu_attn"]
+# "padded": torch_native with batched groups' KV length padded to a multiple of 16, as it pads
+# to 128 on a GPU; run on any device, so that the CPU checks the padding is masked.
+BACKENDS = ["torch_native", "cpu_attn", "padded"]
 
 
 @dataclass
@@ -70,7 +73,10 @@ def make_batch(
 def run_backend(name: str, case: AttentionCase) -> torch.Tensor:
     device = case.fb.device
     heads, kv_heads = case.q.shape[1], case.k.shape[1]
-    attn = select_kernels(name, heads, kv_heads, device, torch.float32).attn_backend
+    if name == "padded":
+        attn = TorchNativeBackend(heads, kv_heads, kv_len_bucket=16)
+    else:
+        attn = select_kernels(name, heads, kv_heads, device, torch.float32).attn_backend
     attn.init_forward_metadata(case.fb)
     return attn.forward(case.q.to(device), case.k.to(device), case.v.to(device), 0, case.fb).cpu()
 
