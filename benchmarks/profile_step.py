@@ -5,14 +5,16 @@ model (--model), in this process.
     python benchmarks/profile_step.py [--model /work/models/qwen2-0.5b] [--dtype bfloat16]
                                       [--batch 64 --prefill-batch 16 --steps 5]
                                       [--backend cpu_attn] [--quantization int8]
-                                      [--disable-fused-layers]
+                                      [--disable-fused-layers] [--device cuda]
 
 Prints the wall time of a step, the op categories' self CPU time (matmuls, attention and its KV
 gather, the small ops), what the ops leave unaccounted (Python and dispatch between ops), and
 the top ops. With cpu_attn the decoder layers run in one call of the extension, which calls its
 kernels without the dispatcher: the profiler then sees only the ops around them and the aten
 ops inside, so the categories say where a step goes only with --disable-fused-layers; the step
-time is right either way, and so is the time without the profiler, printed first.
+time is right either way, and so is the time without the profiler, printed first. On a GPU
+(`--device cuda`, `--backend auto`) it also prints how long the GPU's kernels ran per step: a
+step much longer than that is bound by the host (Python, launches, syncs), not the GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Callable
 import torch
 from bench_backends import Seqs, forward
 from bench_serving import make_prompts
+from torch.autograd import DeviceType
 
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.model_source import resolve_model_path
@@ -76,18 +79,28 @@ def prefill(runner: ModelRunner, seqs: Seqs, rows: list[int]) -> None:
 Step = Callable[[ModelRunner, Seqs, list[int]], None]
 
 
+def wait_for_gpu(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timed_steps(step: Step, runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> float:
-    """Seconds per step of `rows`, over `steps` steps."""
+    """Seconds per step of `rows`, over `steps` steps (on a GPU, until its kernels are done)."""
+    wait_for_gpu(runner.device)
     start = time.perf_counter()
     for _ in range(steps):
         step(runner, seqs, rows)
+    wait_for_gpu(runner.device)
     return (time.perf_counter() - start) / steps
 
 
 def profile(step: Step, runner: ModelRunner, seqs: Seqs, rows: list[int], steps: int) -> None:
     timed_steps(step, runner, seqs, rows, 1)  # warm-up
     unprofiled = timed_steps(step, runner, seqs, rows, steps)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
         wall = timed_steps(step, runner, seqs, rows, steps)
     totals: dict[str, float] = defaultdict(float)
     ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
@@ -100,6 +113,11 @@ def profile(step: Step, runner: ModelRunner, seqs: Seqs, rows: list[int], steps:
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {name:22s} {ms:8.1f} ms")
     print(f"  {'not in ops (Python…)':22s} {wall * 1e3 - sum(totals.values()):8.1f} ms")
+    if runner.device.type == "cuda":
+        # The kernels' own events only: an op's self device time counts its kernels again.
+        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        gpu = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+        print(f"  GPU kernels' own time {gpu:.1f} ms per step")
     calls = sum(e.count for e in ops) / steps
     print(f"  ops per step: {calls:.0f}; top:")
     for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:8]:
@@ -116,6 +134,7 @@ def main() -> None:
     parser.add_argument("--prefill-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--disable-fused-layers", action="store_true")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     # Each profile adds 2 * steps + 1 tokens to its sequences, and sequence 0 is in both.
     max_len = 128 + 4 * (args.steps + 1)
@@ -123,7 +142,7 @@ def main() -> None:
     runner = ModelRunner(
         resolve_model_path(args.model),
         dtype=getattr(torch, args.dtype),
-        device=torch.device("cpu"),
+        device=torch.device(args.device),
         max_total_tokens=args.batch * max_len + 1,
         mem_fraction_static=0.0,
         tp=TPGroup(),
