@@ -3,6 +3,7 @@ with --compare fused-layers, cpu_attn's decoder layers in one call and as module
 
     python benchmarks/bench_overlap.py [--rounds 3 --num-requests 64 --input-len 128
                                         --output-len 128 --latency-requests 8]
+                                       [--dtype float32] [--server-args "--device cuda"]
                                        [--compare fused-layers]
 
 Each round runs, on each server in turn (which goes first alternates): 64 streaming greedy
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=8)
     parser.add_argument("--equality-prompts", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--server-args", default="", help="extra launch.py flags, one string")
     parser.add_argument("--compare", choices=list(COMPARISONS), default="overlap")
     args = parser.parse_args()
@@ -77,7 +79,7 @@ def main() -> None:
     latency_prompts = make_prompts(args.latency_requests, args.input_len, vocab, seed=1)
     equality_prompts = make_prompts(args.equality_prompts, args.input_len, vocab, seed=2)
     # No prefix cache: each run computes its prompts, as the first one did.
-    common = ["--model", args.model, "--dtype", "float32", "--disable-radix-cache"]
+    common = ["--model", args.model, "--dtype", args.dtype, "--disable-radix-cache"]
     common += args.server_args.split()
     with ExitStack() as stack:
         servers = {
@@ -102,7 +104,7 @@ def main() -> None:
 
     print(
         f"\n{args.num_requests} requests at once and {args.latency_requests} one at a time, "
-        f"{args.input_len} prompt + {args.output_len} new tokens, greedy, float32, "
+        f"{args.input_len} prompt + {args.output_len} new tokens, greedy, {args.dtype}, "
         f"{args.rounds} rounds\n"
     )
     print(f"greedy outputs equal on {same} of {len(equality_prompts)} prompts (64 tokens each)\n")

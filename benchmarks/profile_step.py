@@ -13,8 +13,8 @@ the top ops. With cpu_attn the decoder layers run in one call of the extension, 
 kernels without the dispatcher: the profiler then sees only the ops around them and the aten
 ops inside, so the categories say where a step goes only with --disable-fused-layers; the step
 time is right either way, and so is the time without the profiler, printed first. On a GPU
-(`--device cuda`, `--backend auto`) it also prints how long the GPU's kernels ran per step: a
-step much longer than that is bound by the host (Python, launches, syncs), not the GPU.
+(`--device cuda`, `--backend auto`) it also prints how long the GPU was busy per step and with how
+many kernels: a step much longer than that is bound by the host (Python, launches, syncs).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ CATEGORIES = {
     ),
     "attention": ("aten::_scaled_dot_product", "radixserve::paged_attention", "aten::bmm"),
     "KV gather and write": ("aten::index_select", "aten::index_put_", "aten::index"),
+    "CUDA runtime (launches, syncs)": ("cuda", "cuLaunch"),
 }
 
 
@@ -103,7 +104,8 @@ def profile(step: Step, runner: ModelRunner, seqs: Seqs, rows: list[int], steps:
     with torch.profiler.profile(activities=activities) as prof:
         wall = timed_steps(step, runner, seqs, rows, steps)
     totals: dict[str, float] = defaultdict(float)
-    ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    averages = prof.key_averages()
+    ops = [e for e in averages if e.self_cpu_time_total > 0]
     for e in ops:
         totals[category(e.key)] += e.self_cpu_time_total / steps / 1e3
     print(
@@ -114,10 +116,14 @@ def profile(step: Step, runner: ModelRunner, seqs: Seqs, rows: list[int], steps:
         print(f"  {name:22s} {ms:8.1f} ms")
     print(f"  {'not in ops (Python…)':22s} {wall * 1e3 - sum(totals.values()):8.1f} ms")
     if runner.device.type == "cuda":
-        # The kernels' own events only: an op's self device time counts its kernels again.
-        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-        gpu = sum(e.self_device_time_total for e in kernels) / steps / 1e3
-        print(f"  GPU kernels' own time {gpu:.1f} ms per step")
+        # The GPU's own events only (kernels, copies): an op's self device time counts its
+        # kernels again, and so does a user annotation's.
+        on_gpu = [
+            e for e in averages if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+        ]
+        busy = sum(e.self_device_time_total for e in on_gpu) / steps / 1e3
+        launched = sum(e.count for e in on_gpu) / steps
+        print(f"  GPU busy {busy:.1f} ms per step, {launched:.0f} kernels and copies")
     calls = sum(e.count for e in ops) / steps
     print(f"  ops per step: {calls:.0f}; top:")
     for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:8]:
@@ -152,7 +158,7 @@ def main() -> None:
         fused_layers=not args.disable_fused_layers,
     )
     print(
-        f"{args.backend}, {args.dtype}, quantization {args.quantization}, "
+        f"{runner.attention_backend}, {args.dtype}, quantization {args.quantization}, "
         f"fused layers {runner.fused_layers}, threads {torch.get_num_threads()}"
     )
     prompts = make_prompts(args.batch, 128, min(runner.model_config.vocab_size, 49152))

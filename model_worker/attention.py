@@ -18,7 +18,8 @@ from radixserve.model_worker.forward_batch import ForwardBatch
 
 # On a GPU, SDPA's cuDNN backend builds a plan for each new shape, and a decode batch's KV length
 # grows by one a step: padded to a multiple of this, a batch builds one plan per 128 steps, not one
-# a step (each ~1.8 ms a layer on an H100). Padding is masked; on the CPU it would only cost.
+# a step (each ~2-3 ms a layer on an H100: benchmarks/RESULTS.md, "On a GPU"). Padding is masked;
+# on the CPU it would only cost.
 GPU_KV_LEN_BUCKET = 128
 
 
@@ -104,9 +105,11 @@ class TorchNativeBackend(AttentionBackend):
         q_max = int(extend.max())
         k_max = int((prefix + extend).max())
         kv_slots = fb.kv_slots[members, :k_max]
-        if len(members) > 1:
-            k_max = -(-k_max // self.kv_len_bucket) * self.kv_len_bucket
-            kv_slots = F.pad(kv_slots, (0, k_max - kv_slots.shape[1]))  # slot 0: padding
+        batched = len(members) > 1
+        if batched and self.kv_len_bucket > 1:
+            padded = (k_max + self.kv_len_bucket - 1) // self.kv_len_bucket * self.kv_len_bucket
+            kv_slots = F.pad(kv_slots, (0, padded - k_max))  # slot 0: padding
+            k_max = padded
         # ┌ sequence s, query row i (i < extend[s]) ┐   sees KV position j iff j <= prefix[s] + i
         # │ kv: [ cached 0..prefix-1 | new 0..i .. ]│   rows i >= extend[s] are padding: they
         # └─────────────────────────────────────────┘   reuse the last real token and are dropped
@@ -114,7 +117,7 @@ class TorchNativeBackend(AttentionBackend):
         real = offsets[None, :] < extend[:, None]  # [n, q_max]
         query_tokens = extend_start[:, None] + torch.minimum(offsets[None, :], extend[:, None] - 1)
         mask = None
-        if len(members) > 1:
+        if batched:
             visible = torch.arange(k_max)[None, None, :] <= (prefix[:, None] + offsets)[:, :, None]
             mask = visible[:, None]
             if q_max == 1:
