@@ -29,6 +29,8 @@ def linear_kernel(
     linear = torch.classes.radixserve.Linear
     small_rows = small_kernel_rows(weight)
     if isinstance(weight, Int8Weight):
+        # The int8 kernels rescale in float32: a bfloat16 bias converted here once, not per call.
+        bias = None if bias is None else bias.float()
         if weight.vnni:  # one kernel for every row count
             return linear("int8_vnni", weight.q, weight.scale, bias, 0, 0, 0, 0)
         return linear("int8", weight.q, weight.scale, bias, small_rows, 0, 0, 0)
