@@ -8,13 +8,14 @@ model (--model), in this process.
                                       [--disable-fused-layers] [--device cuda]
 
 Prints the wall time of a step, the op categories' self CPU time (matmuls, attention and its KV
-gather, the small ops), what the ops leave unaccounted (Python and dispatch between ops), and
-the top ops. With cpu_attn the decoder layers run in one call of the extension, which calls its
-kernels without the dispatcher: the profiler then sees only the ops around them and the aten
-ops inside, so the categories say where a step goes only with --disable-fused-layers; the step
-time is right either way, and so is the time without the profiler, printed first. On a GPU
-(`--device cuda`, `--backend auto`) it also prints how long the GPU was busy per step and with how
-many kernels: a step much longer than that is bound by the host (Python, launches, syncs).
+gather, the small ops; on a GPU the CUDA runtime's launches and syncs), what the ops leave
+unaccounted (Python and dispatch between ops), and the top ops. With cpu_attn the decoder layers run
+in one call of the extension, which calls its kernels without the dispatcher: the profiler then sees
+only the ops around them and the aten ops inside, so the categories say where a step goes only with
+--disable-fused-layers; the step time is right either way, and so is the time without the profiler,
+printed first. On a GPU (`--device cuda`, `--backend auto`) it also prints how long the GPU was busy
+per step and with how many kernels: a step much longer than that is bound by the host (Python,
+launches, syncs).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ CATEGORIES = {
     ),
     "attention": ("aten::_scaled_dot_product", "radixserve::paged_attention", "aten::bmm"),
     "KV gather and write": ("aten::index_select", "aten::index_put_", "aten::index"),
-    "CUDA runtime (launches, syncs)": ("cuda", "cuLaunch"),
+    "CUDA runtime": ("cuda", "cuLaunch"),  # launches and syncs, on the host
 }
 
 
