@@ -20,6 +20,7 @@ machine). Pin it (`taskset -c 1`) for one-thread figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -94,6 +95,10 @@ def kernels_for(
     return kernels
 
 
+def matmul_each(weights: list[Int8Weight], x: torch.Tensor) -> list[torch.Tensor]:
+    return [w.matmul(x, None) for w in weights]
+
+
 def cold_and_hot(config: ModelConfig, rows: int, repeats: int, clock: Callable[[], float]) -> None:
     """Per decoder-layer shape, the VNNI linear on `rows` rows over every layer's own weight in
     turn (cold: from memory, as a step reads them) and over the first layer's as many times
@@ -111,8 +116,7 @@ def cold_and_hot(config: ModelConfig, rows: int, repeats: int, clock: Callable[[
         ms: dict[str, float] = {}
         for _ in range(2):
             for mode, seq in (("hot", [weights[0]] * len(weights)), ("cold", weights)):
-                run = lambda seq=seq, x=x: [w.matmul(x, None) for w in seq]  # noqa: E731
-                t = best_ms(run, repeats, clock) / len(seq)
+                t = best_ms(functools.partial(matmul_each, seq, x), repeats, clock) / len(seq)
                 ms[mode] = min(ms.get(mode, t), t)
         print(
             f"  {name}: hot {ms['hot']:.3f} ms, cold {ms['cold']:.3f} ms, "

@@ -232,8 +232,8 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
     and not a multiple of a vector, or even (bfloat16 reads x's rows as pairs in place); in
     bfloat16, whose kernel takes many rows too (tiles of up to 6, and a last one of fewer), it
     is also oneDNN's result for those rows in a batch of many, to the bit (the blocks of k it
-    sums in, found at load). A layout that is not the weight's is
-    refused; without AVX512-BF16, or with AMX, bfloat16 stays on oneDNN."""
+    sums in, found at load). A layout that is not the weight's is refused; without AVX512-BF16,
+    or with AMX, bfloat16 stays on oneDNN."""
     gen = torch.Generator().manual_seed(0)
     n = 192  # 3 panels of 64
     # bfloat16: one tile of up to 6 rows, then tiles of 6 and a last one of each smaller size
