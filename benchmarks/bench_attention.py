@@ -4,15 +4,17 @@ kernel in the same process, taking turns.
 
     python benchmarks/bench_attention.py [--dtype bfloat16] [--baseline HEAD] [--threads 1]
         [--shape 14/2x64 --shape 32/8x128] [--case 64x200+1 --case 16x0+128 ...]
-        [--slots shuffled|in-a-row]
+        [--slots shuffled|in-a-row|served]
 
 A shape is query heads / KV heads x head size (default: Qwen2-0.5B's and an 8B's); a case is
 sequences x cached tokens + new tokens each (default: a decode step of 64 at context 200, one
 sequence decoding at 2,000, and prefill chunks of 16 x 128 and 1 x 2,048). The slots are
 shuffled (decode steps interleave the sequences' slots, and a long-running pool's free list is
 in no order), or with --slots in-a-row each sequence's in a row (a prompt prefilled into a fresh
-pool); "from memory" cycles through enough layers' pools that a layer's K and V are not in cache
-when it runs.
+pool), or with --slots served as a fresh server's pool holds them: each sequence's first
+SERVED_PROMPT cached tokens in a row (its prompt), the rest one slot a step, the step's sequences
+side by side (a decode step's new tokens). "From memory" cycles through enough layers' pools that
+a layer's K and V are not in cache when it runs.
 
 --baseline REV builds REV's attention.cpp (from `git archive`) once into the kernel cache, as
 op namespace radixserve_baseline, and times it against the working tree's: both in one process,
@@ -41,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("14/2x64", "32/8x128")
 CASES = ("64x200+1", "1x2000+1", "16x0+128", "1x0+2048")
 COLD_BYTES = 256e6  # K and V pools cycled through for "from memory": past any L3 here
+SERVED_PROMPT = 128  # --slots served: the prompt's tokens (bench_vs_peers' prompts)
 BASELINE_UNIT = """#include "{csrc}/attention.cpp"
 #include <torch/library.h>
 TORCH_LIBRARY(radixserve_baseline, m) {{
@@ -109,7 +112,7 @@ def make_layers(
     shape: tuple[int, int, int],
     case: tuple[int, int, int],
     dtype: torch.dtype,
-    shuffled: bool = True,
+    slots: str = "shuffled",
 ) -> tuple[list[tuple], float]:
     """Arguments of one call per layer (as many layers as "from memory" needs), and the FLOPs
     of a call (QK^T and PV, causal)."""
@@ -119,10 +122,13 @@ def make_layers(
     num_slots = b * (ctx + new) + 1  # slot 0 is padding
     layer_bytes = num_slots * kv_heads * d * dtype.itemsize * 2
     num_layers = 1 if ctx == 0 else max(1, math.ceil(COLD_BYTES / layer_bytes))
-    order = torch.arange(1, num_slots)
-    if shuffled:
-        order = order[torch.randperm(num_slots - 1, generator=gen)]
-    kv_slots = order.view(b, ctx + new).contiguous()
+    if slots == "served":
+        kv_slots = served_slots(b, ctx + new)
+    else:
+        order = torch.arange(1, num_slots)
+        if slots == "shuffled":
+            order = order[torch.randperm(num_slots - 1, generator=gen)]
+        kv_slots = order.view(b, ctx + new).contiguous()
     loc = kv_slots[:, ctx:].reshape(-1).contiguous()
     prefix = torch.full((b,), ctx, dtype=torch.int64)
     extend = torch.full((b,), new, dtype=torch.int64)
@@ -136,6 +142,15 @@ def make_layers(
         layers.append((q, k, v, k_pool, v_pool, loc, kv_slots, prefix, extend, d**-0.5))
     keys = b * sum(ctx + i + 1 for i in range(new))  # (query token, key) pairs, causal
     return layers, 4.0 * keys * heads * d
+
+
+def served_slots(b: int, length: int) -> torch.Tensor:
+    """[b, length] slots from 1 on: each sequence's first SERVED_PROMPT in a row, prompt after
+    prompt, then its later tokens one a step, the b sequences' slots of a step side by side."""
+    prompt = min(SERVED_PROMPT, length)
+    prompts = torch.arange(1, 1 + b * prompt).view(b, prompt)
+    steps = 1 + b * prompt + torch.arange(b * (length - prompt)).view(length - prompt, b).T
+    return torch.cat([prompts, steps], dim=1).contiguous()
 
 
 def seconds_per_call(op: Callable[..., torch.Tensor], layers: list[tuple], hot: bool) -> float:
@@ -159,7 +174,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--shape", action="append", help="heads/kv_heads x head_dim")
     parser.add_argument("--case", action="append", help="sequences x context + new tokens")
-    parser.add_argument("--slots", default="shuffled", choices=("shuffled", "in-a-row"))
+    parser.add_argument("--slots", default="shuffled", choices=("shuffled", "in-a-row", "served"))
     parser.add_argument("--baseline", default=None, help="git revision to time against")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -183,7 +198,7 @@ def main() -> None:
     for shape_text in args.shape or SHAPES:
         for case_text in args.case or CASES:
             shape, case = parse_shape(shape_text), parse_case(case_text)
-            layers, flops = make_layers(shape, case, dtype, args.slots == "shuffled")
+            layers, flops = make_layers(shape, case, dtype, args.slots)
             outs = [ops[n](*layers[0]) for n in names]
             if len(outs) == 2:  # another revision sums in another order: close, not equal
                 torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
