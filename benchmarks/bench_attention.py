@@ -9,12 +9,12 @@ kernel in the same process, taking turns.
 A shape is query heads / KV heads x head size (default: Qwen2-0.5B's and an 8B's); a case is
 sequences x cached tokens + new tokens each (default: a decode step of 64 at context 200, one
 sequence decoding at 2,000, and prefill chunks of 16 x 128 and 1 x 2,048). The slots are
-shuffled (decode steps interleave the sequences' slots, and a long-running pool's free list is
-in no order), or with --slots in-a-row each sequence's in a row (a prompt prefilled into a fresh
-pool), or with --slots served as a fresh server's pool holds them: each sequence's first
-SERVED_PROMPT cached tokens in a row (its prompt), the rest one slot a step, the step's sequences
-side by side (a decode step's new tokens). "From memory" cycles through enough layers' pools that
-a layer's K and V are not in cache when it runs.
+shuffled (the worst case: every key from another place), or with --slots in-a-row each
+sequence's in a row (a prompt prefilled into a fresh pool), or, with --slots served, as a fresh
+server's pool holds them after a burst of prompts all prefilled before the first decode (decode
+cases only): each sequence's first 128 cached tokens (SERVED_PROMPT_TOKENS, its prompt) in a
+row, its later tokens and the new one a slot a step, the step's sequences side by side. "From
+memory" cycles through enough layers' pools that a layer's K and V are not in cache when it runs.
 
 --baseline REV builds REV's attention.cpp (from `git archive`) once into the kernel cache, as
 op namespace radixserve_baseline, and times it against the working tree's: both in one process,
@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -43,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHAPES = ("14/2x64", "32/8x128")
 CASES = ("64x200+1", "1x2000+1", "16x0+128", "1x0+2048")
 COLD_BYTES = 256e6  # K and V pools cycled through for "from memory": past any L3 here
-SERVED_PROMPT = 128  # --slots served: the prompt's tokens (bench_vs_peers' prompts)
+SERVED_PROMPT_TOKENS = 128  # --slots served: a prompt's tokens (bench_vs_peers' prompts)
 BASELINE_UNIT = """#include "{csrc}/attention.cpp"
 #include <torch/library.h>
 TORCH_LIBRARY(radixserve_baseline, m) {{
@@ -112,7 +113,7 @@ def make_layers(
     shape: tuple[int, int, int],
     case: tuple[int, int, int],
     dtype: torch.dtype,
-    slots: str = "shuffled",
+    slots: Literal["shuffled", "in-a-row", "served"],
 ) -> tuple[list[tuple], float]:
     """Arguments of one call per layer (as many layers as "from memory" needs), and the FLOPs
     of a call (QK^T and PV, causal)."""
@@ -123,7 +124,8 @@ def make_layers(
     layer_bytes = num_slots * kv_heads * d * dtype.itemsize * 2
     num_layers = 1 if ctx == 0 else max(1, math.ceil(COLD_BYTES / layer_bytes))
     if slots == "served":
-        kv_slots = served_slots(b, ctx + new)
+        assert new == 1, "--slots served lays out decode steps (one new token each)"
+        kv_slots = served_slots(b, ctx)
     else:
         order = torch.arange(1, num_slots)
         if slots == "shuffled":
@@ -144,13 +146,15 @@ def make_layers(
     return layers, 4.0 * keys * heads * d
 
 
-def served_slots(b: int, length: int) -> torch.Tensor:
-    """[b, length] slots from 1 on: each sequence's first SERVED_PROMPT in a row, prompt after
-    prompt, then its later tokens one a step, the b sequences' slots of a step side by side."""
-    prompt = min(SERVED_PROMPT, length)
-    prompts = torch.arange(1, 1 + b * prompt).view(b, prompt)
-    steps = 1 + b * prompt + torch.arange(b * (length - prompt)).view(length - prompt, b).T
-    return torch.cat([prompts, steps], dim=1).contiguous()
+def served_slots(b: int, ctx: int) -> torch.Tensor:
+    """[b, ctx + 1] slots from 1 on: each sequence's first SERVED_PROMPT_TOKENS slots in a row,
+    prompt after prompt, then one slot a step for its later tokens and the new one, the b
+    sequences' slots of a step side by side."""
+    prompt_len = min(SERVED_PROMPT_TOKENS, ctx)
+    steps = ctx + 1 - prompt_len
+    prompts = torch.arange(1, 1 + b * prompt_len).view(b, prompt_len)
+    decoded = 1 + b * prompt_len + torch.arange(b * steps).view(steps, b).T
+    return torch.cat([prompts, decoded], dim=1).contiguous()
 
 
 def seconds_per_call(op: Callable[..., torch.Tensor], layers: list[tuple], hot: bool) -> float:
@@ -174,11 +178,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--shape", action="append", help="heads/kv_heads x head_dim")
     parser.add_argument("--case", action="append", help="sequences x context + new tokens")
-    parser.add_argument("--slots", default="shuffled", choices=("shuffled", "in-a-row", "served"))
+    parser.add_argument(
+        "--slots",
+        default="shuffled",
+        choices=("shuffled", "in-a-row", "served"),
+        help="the K/V pool's slot layout (the module's docstring says each)",
+    )
     parser.add_argument("--baseline", default=None, help="git revision to time against")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    if args.slots == "served" and any(parse_case(c)[2] != 1 for c in args.case or CASES):
+        parser.error("--slots served lays out decode steps: every --case needs +1")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     clock = "CPU time" if args.threads == 1 else "wall time"
