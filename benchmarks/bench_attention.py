@@ -9,12 +9,14 @@ kernel in the same process, taking turns.
 A shape is query heads / KV heads x head size (default: Qwen2-0.5B's and an 8B's); a case is
 sequences x cached tokens + new tokens each (default: a decode step of 64 at context 200, one
 sequence decoding at 2,000, and prefill chunks of 16 x 128 and 1 x 2,048). The slots are
-shuffled (the worst case: every key from another place), or with --slots in-a-row each
-sequence's in a row (a prompt prefilled into a fresh pool), or, with --slots served, as a fresh
-server's pool holds them after a burst of prompts all prefilled before the first decode (decode
-cases only): each sequence's first 128 cached tokens (SERVED_PROMPT_TOKENS, its prompt) in a
-row, its later tokens and the new one a slot a step, the step's sequences side by side. "From
-memory" cycles through enough layers' pools that a layer's K and V are not in cache when it runs.
+shuffled by default (the worst case: no two keys side by side in the pool); with --slots
+in-a-row each sequence's slots are in a row (a prompt prefilled into a fresh pool); with --slots
+served they are as a fresh server's pool holds them after a burst of prompts, all prefilled
+before the first decode: each sequence's first min(128, context) tokens (SERVED_PROMPT_TOKENS,
+its prompt) in a row, then one slot a decode step for each later token and the new one, a
+step's sequences in consecutive slots. Served takes decode cases only (+1); without --case it
+runs the default decode cases. "From memory" cycles through enough layers' pools that a layer's
+K and V are not in cache when it runs.
 
 --baseline REV builds REV's attention.cpp (from `git archive`) once into the kernel cache, as
 op namespace radixserve_baseline, and times it against the working tree's: both in one process,
@@ -147,14 +149,14 @@ def make_layers(
 
 
 def served_slots(b: int, ctx: int) -> torch.Tensor:
-    """[b, ctx + 1] slots from 1 on: each sequence's first SERVED_PROMPT_TOKENS slots in a row,
-    prompt after prompt, then one slot a step for its later tokens and the new one, the b
-    sequences' slots of a step side by side."""
+    """[b, ctx + 1] slots from 1 on: each sequence's first min(SERVED_PROMPT_TOKENS, ctx)
+    slots in a row, prompt after prompt, then one slot a step for its later tokens and the new
+    one, the b sequences' slots of a step side by side."""
     prompt_len = min(SERVED_PROMPT_TOKENS, ctx)
     steps = ctx + 1 - prompt_len
     prompts = torch.arange(1, 1 + b * prompt_len).view(b, prompt_len)
     decoded = 1 + b * prompt_len + torch.arange(b * steps).view(steps, b).T
-    return torch.cat([prompts, decoded], dim=1).contiguous()
+    return torch.cat([prompts, decoded], dim=1)
 
 
 def seconds_per_call(op: Callable[..., torch.Tensor], layers: list[tuple], hot: bool) -> float:
@@ -182,14 +184,19 @@ def main() -> None:
         "--slots",
         default="shuffled",
         choices=("shuffled", "in-a-row", "served"),
-        help="the K/V pool's slot layout (the module's docstring says each)",
+        help="shuffled: no two keys side by side; in-a-row: each sequence's in a row; served: "
+        "prompts in a row, then a step's sequences side by side (decode cases only)",
     )
     parser.add_argument("--baseline", default=None, help="git revision to time against")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    if args.slots == "served" and any(parse_case(c)[2] != 1 for c in args.case or CASES):
-        parser.error("--slots served lays out decode steps: every --case needs +1")
+    cases = args.case or CASES
+    if args.slots == "served":
+        if args.case is None:
+            cases = [c for c in CASES if parse_case(c)[2] == 1]
+        elif any(parse_case(c)[2] != 1 for c in cases):
+            parser.error("--slots served lays out decode steps: every --case needs +1")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     clock = "CPU time" if args.threads == 1 else "wall time"
@@ -207,7 +214,7 @@ def main() -> None:
     print(f"| shape | case | K/V | {header}{ratio} |")
     print("|---|---|---|" + "---|" * len(names) + ("---|" if args.baseline else ""))
     for shape_text in args.shape or SHAPES:
-        for case_text in args.case or CASES:
+        for case_text in cases:
             shape, case = parse_shape(shape_text), parse_case(case_text)
             layers, flops = make_layers(shape, case, dtype, args.slots)
             outs = [ops[n](*layers[0]) for n in names]
