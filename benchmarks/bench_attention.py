@@ -9,7 +9,7 @@ kernel in the same process, taking turns.
 A shape is query heads / KV heads x head size (default: Qwen2-0.5B's and an 8B's); a case is
 sequences x cached tokens + new tokens each (default: a decode step of 64 at context 200, one
 sequence decoding at 2,000, and prefill chunks of 16 x 128 and 1 x 2,048). The slots are
-shuffled by default (the worst case: no two keys side by side in the pool); with --slots
+shuffled by default (the worst case: the keys anywhere in the pool, in no order); with --slots
 in-a-row each sequence's slots are in a row (a prompt prefilled into a fresh pool); with --slots
 served they are as a fresh server's pool holds them after a burst of prompts, all prefilled
 before the first decode: each sequence's first min(128, context) tokens (SERVED_PROMPT_TOKENS,
@@ -184,7 +184,7 @@ def main() -> None:
         "--slots",
         default="shuffled",
         choices=("shuffled", "in-a-row", "served"),
-        help="shuffled: no two keys side by side; in-a-row: each sequence's in a row; served: "
+        help="shuffled: keys in no order; in-a-row: each sequence's in a row; served: "
         "prompts in a row, then a step's sequences side by side (decode cases only)",
     )
     parser.add_argument("--baseline", default=None, help="git revision to time against")
