@@ -5,11 +5,14 @@ oneDNN's packed weight; with --peak, what a loop of independent vpdpbusd reaches
 with --one-row-cold, one row through every decoder layer's linears in turn, as a decode step of
 one sequence reads them (from memory, not from the cache a layer's repeats keep them in); with
 --cold-rows N, N rows through each shape's VNNI linear, every layer's own weight in turn (cold)
-against one layer's weight as many times (hot).
+against one layer's weight as many times (hot); with --silu-and-mul-rows, an MLP's gate_up and
+SwiGLU on the VNNI layout in one pass (int8_vnni_linear_silu_and_mul) against two
+(int8_vnni_linear, then silu_and_mul), every layer's weight in turn, bfloat16 rows.
 
     python benchmarks/bench_int8_gemm.py [--model /work/models/qwen2-0.5b]
                                          [--rows 1,8,16,64,256,2048] [--threads 1] [--repeats 5]
                                          [--peak] [--one-row-cold] [--cold-rows 64]
+                                         [--silu-and-mul-rows 64,2048]
 
 Prints the best of --repeats per kernel (two turns each), in ms and GOPS (2 x multiply-adds),
 and plain / VNNI. With --threads 1 (the default) it times the thread's CPU time, which other
@@ -124,6 +127,40 @@ def cold_and_hot(config: ModelConfig, rows: int, repeats: int, clock: Callable[[
         )
 
 
+def two_passes(weights: list[Int8Weight], x: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.ops.radixserve.silu_and_mul(w.matmul(x, None)) for w in weights]
+
+
+def one_pass(weights: list[Int8Weight], x: torch.Tensor) -> list[torch.Tensor]:
+    op = torch.ops.radixserve.int8_vnni_linear_silu_and_mul
+    return [op(x, w.q, w.scale, None) for w in weights]
+
+
+def silu_and_mul_passes(
+    config: ModelConfig, rows_list: list[int], repeats: int, clock: Callable[[], float]
+) -> None:
+    """gate_up then SwiGLU over every layer's own gate_up weight in turn, ms a layer: two passes
+    against one, the best of `repeats` in two turns each."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = layer_shapes(config)["gate_up_proj"]
+    weights = [
+        Int8Weight(torch.randn(n, k, generator=gen) * 0.05, vnni=True)
+        for _ in range(config.num_hidden_layers)
+    ]
+    print(f"gate_up and SwiGLU ({n} x {k}), {len(weights)} layers' weights in turn:")
+    print("| rows | two passes ms | one pass ms | one / two |")
+    print("|---|---|---|---|")
+    for rows in rows_list:
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        ms: dict[str, float] = {}
+        for _ in range(2):
+            for name, fn in (("two", two_passes), ("one", one_pass)):
+                t = best_ms(functools.partial(fn, weights, x), repeats, clock) / len(weights)
+                ms[name] = min(ms.get(name, t), t)
+        print(f"| {rows} | {ms['two']:.3f} | {ms['one']:.3f} | {ms['one'] / ms['two']:.3f} |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="/work/models/qwen2-0.5b")
@@ -133,6 +170,9 @@ def main() -> None:
     parser.add_argument("--peak", action="store_true", help="time a vpdpbusd loop first")
     parser.add_argument("--one-row-cold", action="store_true", help="then one row, every layer")
     parser.add_argument("--cold-rows", type=int, default=0, help="then N rows, cold and hot")
+    parser.add_argument(
+        "--silu-and-mul-rows", default="", help="then gate_up and SwiGLU: one pass against two"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -153,6 +193,9 @@ def main() -> None:
             one_row_cold(config)
         if args.cold_rows:
             cold_and_hot(config, args.cold_rows, args.repeats, clock)
+        if args.silu_and_mul_rows:
+            rows_list = [int(r) for r in args.silu_and_mul_rows.split(",")]
+            silu_and_mul_passes(config, rows_list, args.repeats, clock)
     print()
     print("| layer | rows | plain ms | VNNI ms | bf16 ms | plain GOPS | VNNI GOPS | plain / VNNI |")
     print("|---|---|---|---|---|---|---|---|")

@@ -217,6 +217,11 @@ class ColumnParallelLinear(PreparedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a gate/up pair's outputs, [T, local intermediate]."""
+        assert self.num_pieces == 2 and self.local_sizes[0] == self.local_sizes[1]
+        return self.ops.linear_silu_and_mul(x, self.weight, self.bias)
+
     def load_weight(self, name: str, loaded: CheckpointTensor, piece: int = 0) -> None:
         trailing = (self.input_size,) if name == "weight" else ()
         _check_shape((self.output_sizes[piece], *trailing), loaded.shape)

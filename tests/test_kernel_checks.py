@@ -139,6 +139,14 @@ def _bad_small_ops(ops: Any) -> dict[str, tuple[Callable[..., Any], tuple[Any, .
             ops.int8_vnni_linear,
             (x, torch.ones(1, 2, 64, 4, dtype=torch.uint8), torch.ones(65), None),
         ),
+        "int8_vnni_linear_silu_and_mul: outputs not a gate/up pair": (
+            ops.int8_vnni_linear_silu_and_mul,
+            (x, torch.ones(1, 2, 64, 4, dtype=torch.uint8), torch.ones(3), None),
+        ),
+        "int8_vnni_linear_silu_and_mul: scales for another layout": (
+            ops.int8_vnni_linear_silu_and_mul,
+            (x, torch.ones(1, 2, 64, 4, dtype=torch.uint8), torch.ones(256), None),
+        ),
         "int8_vnni_pack: rows past the layout": (
             ops.int8_vnni_pack,
             (torch.ones(1, 2, 64, 4, dtype=torch.uint8), 60, torch.ones(8, 8, dtype=torch.int8)),
@@ -172,6 +180,8 @@ def _bad_small_ops(ops: Any) -> dict[str, tuple[Callable[..., Any], tuple[Any, .
         "int8_gemm: bias short",
         "int8_vnni_linear: weight of another K",
         "int8_vnni_linear: scales for another layout",
+        "int8_vnni_linear_silu_and_mul: outputs not a gate/up pair",
+        "int8_vnni_linear_silu_and_mul: scales for another layout",
         "int8_vnni_pack: rows past the layout",
         "dequantize_rows: scales short",
     ],

@@ -92,6 +92,13 @@ class Linear : public torch::CustomClassHolder {
     TORCH_CHECK(false, "Linear: unknown kind");
   }
 
+  // silu(gate) * up of a [gate | up] layer's outputs: in one pass on the VNNI layout, as
+  // CpuKernelOps.linear_silu_and_mul takes it.
+  at::Tensor forward_silu_and_mul(const at::Tensor& x) const {
+    if (kind_ == Kind::kInt8Vnni) return int8_vnni_linear_silu_and_mul(x, weight_, aux_, bias_);
+    return silu_and_mul(forward(x));
+  }
+
  private:
   enum class Kind { kDense, kPacked, kInt8, kInt8Vnni };
   Kind kind_ = Kind::kDense;
@@ -152,7 +159,7 @@ class DecoderLayers : public torch::CustomClassHolder {
                                         kv_slots, prefix_lens, extend_lens, scale_);
       at::Tensor o = add_bias(layer.o_proj->forward(attn.reshape({-1, q_size})), layer.o_bias);
       fused_add_rms_norm(o, residual, layer.post_norm, eps_);
-      hidden = add_bias(layer.down->forward(silu_and_mul(layer.gate_up->forward(o))),
+      hidden = add_bias(layer.down->forward(layer.gate_up->forward_silu_and_mul(o)),
                         layer.down_bias);
     }
     return hidden;

@@ -21,13 +21,17 @@
 #define RADIXSERVE_INT8_VNNI 1
 #endif
 
-#include <array>
 #include <cstring>
+#include <memory>
+#include <utility>
+#include <type_traits>
+#include <vector>
 
 #include <c10/util/BFloat16.h>
 
 #include "ops.h"
 #include "quantize_row.h"
+#include "vec_utils.h"
 
 namespace radixserve {
 namespace {
@@ -43,8 +47,11 @@ constexpr int64_t kGroup = 4;   // k per vpdpbusd lane
 // kRows broadcasts for kRows * 4 vpdpbusd. A block (K x 64 bytes, 311 KB at K = 4,864) stays in
 // the L2 cache across its row tiles; one row reads the weight at memory speed.
 constexpr int kRows = 6;
+// Outputs of gate's blocks, and as many of up's, that a thread of int8_vnni_linear_silu_and_mul
+// keeps at a time, at most: 256 KB each, in the L2 cache beside the blocks being read.
+constexpr int64_t kGateFloats = 64 * 1024;
+static_assert(kLanes == kVec, "the outputs' float vectors are the sums' int32 vectors");
 
-template <typename Out>
 struct Tile {
   const int8_t* x;       // the tile's first token, quantized; rows k_pad apart
   const float* x_scale;  // its tokens' scales
@@ -52,8 +59,7 @@ struct Tile {
   const uint8_t* w;      // the tile's block
   const float* w_scale;  // the block's first channel
   const float* bias;     // likewise, or nullptr
-  Out* y;                // [token, first channel]; rows n apart, in the activations' dtype
-  int64_t k_pad, n, channels;  // channels: to store, at most kBlock
+  int64_t k_pad, channels;  // channels: to emit, at most kBlock
 };
 
 inline int32_t load_i32(const int8_t* p) {
@@ -75,10 +81,13 @@ inline void store_outputs(at::BFloat16* p, __mmask16 mask, __m512 v) {
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(rounded));
 }
 
-// The loops over r and v are unrolled (GCC otherwise keeps acc on the stack, a load and a
-// store around every vpdpbusd).
-template <int R, typename Out>
-void vnni_tile(const Tile<Out>& t) {
+// The tile's outputs, each as int8.cpp's rescale() computes it, fma(float(sum), x_scale *
+// w_scale, bias), handed to emit(row, first channel, mask, 16 outputs). The loops over r and v
+// are unrolled (GCC otherwise keeps acc on the stack, a load and a store around every
+// vpdpbusd); never inlined, since two tiles inlined into one function (silu_and_mul's) spilled
+// the sums to the stack again, at 2.3x the time.
+template <int R, typename Emit>
+__attribute__((noinline)) void vnni_tile(const Tile& t, const Emit& emit) {
   constexpr int V = kVecs;
   __m512i acc[R][V];
 #pragma GCC unroll 8
@@ -96,7 +105,6 @@ void vnni_tile(const Tile<Out>& t) {
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], x);
     }
   }
-  // Each output as int8.cpp's rescale() computes it: fma(float(sum), x_scale * w_scale, bias).
 #pragma GCC unroll 4
   for (int v = 0; v < V; ++v) {
     const int64_t c = v * kVec;
@@ -110,21 +118,96 @@ void vnni_tile(const Tile<Out>& t) {
       for (int r = 0; r < R; ++r) {
         const __m512i sum = _mm512_sub_epi32(acc[r][v], _mm512_set1_epi32(t.x_sum[r]));
         const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(t.x_scale[r]), ws);
-        store_outputs(t.y + r * t.n + c, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, b));
+        emit(r, c, mask, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, b));
       }
     }
   }
 }
 
-template <typename Out>
-using TileFn = void (*)(const Tile<Out>&);
+// Runs f<R>() for a tile of `rows` (1..6) rows.
+template <typename F>
+inline void with_tile_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
+}
 
-// tiles<Out>[rows - 1]
-template <typename Out>
-constexpr std::array<TileFn<Out>, kRows> kTiles = {
-    &vnni_tile<1, Out>, &vnni_tile<2, Out>, &vnni_tile<3, Out>,
-    &vnni_tile<4, Out>, &vnni_tile<5, Out>, &vnni_tile<6, Out>};
+// x's rows quantized for the tiles, each on its own scale as quantize_rows_int8 does, k_pad
+// apart (the padding zeros), with 128 * their sum: the flipped weight's extra term.
+struct QuantizedRows {
+  at::Tensor q_tensor, scale_tensor, sum_tensor;  // own what the pointers point into
+  int8_t* q;
+  float* scale;
+  int32_t* sum;
+};
+
+QuantizedRows quantize_for_tiles(const at::Tensor& x, int64_t k_pad) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantizedRows rows{at::empty({M, k_pad}, x.options().dtype(at::kChar)),
+                     at::empty({M}, x.options().dtype(at::kFloat)),
+                     at::empty({M}, x.options().dtype(at::kInt))};
+  rows.q = rows.q_tensor.data_ptr<int8_t>();
+  rows.scale = rows.scale_tensor.data_ptr<float>();
+  rows.sum = rows.sum_tensor.data_ptr<int32_t>();
+  int8_t* qp = rows.q;
+  float* xs = rows.scale;
+  int32_t* sums = rows.sum;
+  RADIXSERVE_DISPATCH_FLOAT(x, "int8_vnni_linear", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        int8_t* q = qp + m * k_pad;
+        xs[m] = quantize_row(xp + m * x.stride(0), K, q);
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; ++k) sum += q[k];
+        for (int64_t k = K; k < k_pad; ++k) q[k] = 0;
+        sums[m] = 128 * sum;
+      }
+    });
+  });
+  return rows;
+}
+
+// The tile of rows [m, m + kRows) against block `block` (channels from n0 = block * kBlock).
+inline Tile tile_of(const QuantizedRows& xq, const uint8_t* w, const float* w_scale,
+                    const float* bias, int64_t k_pad, int64_t n, int64_t m, int64_t block) {
+  const int64_t n0 = block * kBlock;
+  return Tile{xq.q + m * k_pad,
+              xq.scale + m,
+              xq.sum + m,
+              w + block * k_pad * kBlock,
+              w_scale + n0,
+              bias == nullptr ? nullptr : bias + n0,
+              k_pad,
+              std::min(kBlock, n - n0)};
+}
 #endif
+
+// The checks both ops make; returns the bias as float32 data, or nullptr.
+const float* check_vnni_args(const at::Tensor& x, const at::Tensor& packed,
+                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+                             const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x [M, K] with contiguous rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == kBlock && packed.size(3) == kGroup,
+              op, ": contiguous uint8 packed [blocks, k_pad / 4, 64, 4]");
+  const int64_t K = x.size(1), N = w_scale.numel();
+  const int64_t k_pad = packed.size(1) * kGroup, blocks = packed.size(0);
+  TORCH_CHECK((K + kGroup - 1) / kGroup * kGroup == k_pad && (N + kBlock - 1) / kBlock == blocks,
+              op, ": x of ", K, " columns and ", N, " scales for a layout of ", blocks,
+              " blocks by ", k_pad);
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(), op,
+              ": weight scales must be contiguous float32 [N]");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+              op, ": bias must be contiguous float32 [N]");
+  return bias->data_ptr<float>();
+}
 
 }  // namespace
 
@@ -157,48 +240,13 @@ void int8_vnni_pack(at::Tensor& packed, int64_t start, const at::Tensor& rows) {
 at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias_in) {
   const c10::optional<at::Tensor> bias = bias_as_float(bias_in);
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1,
-              "int8_vnni_linear: x [M, K] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(2) == kBlock && packed.size(3) == kGroup,
-              "int8_vnni_linear: contiguous uint8 packed [blocks, k_pad / 4, 64, 4]");
-  const int64_t M = x.size(0), K = x.size(1), N = w_scale.numel();
+  const float* bp = check_vnni_args(x, packed, w_scale, bias, "int8_vnni_linear");
+  const int64_t M = x.size(0), N = w_scale.numel();
   const int64_t k_pad = packed.size(1) * kGroup, blocks = packed.size(0);
-  TORCH_CHECK((K + kGroup - 1) / kGroup * kGroup == k_pad && (N + kBlock - 1) / kBlock == blocks,
-              "int8_vnni_linear: x of ", K, " columns and ", N, " scales for a layout of ",
-              blocks, " blocks by ", k_pad);
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous(),
-              "int8_vnni_linear: weight scales must be contiguous float32 [N]");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "int8_vnni_linear: bias must be contiguous float32 [N]");
-    bp = bias->data_ptr<float>();
-  }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 #if defined(RADIXSERVE_INT8_VNNI)
-  // The tokens quantized here, each on its own scale as quantize_rows_int8 does, k_pad apart
-  // (the padding zeros), with 128 * their sum: the flipped weight's extra term.
-  at::Tensor xq = at::empty({M, k_pad}, x.options().dtype(at::kChar));
-  at::Tensor x_scale = at::empty({M}, x.options().dtype(at::kFloat));
-  at::Tensor x_sum = at::empty({M}, x.options().dtype(at::kInt));
-  int8_t* xqp = xq.data_ptr<int8_t>();
-  float* xs = x_scale.data_ptr<float>();
-  int32_t* sums = x_sum.data_ptr<int32_t>();
-  RADIXSERVE_DISPATCH_FLOAT(x, "int8_vnni_linear", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) {
-        int8_t* q = xqp + m * k_pad;
-        xs[m] = quantize_row(xp + m * x.stride(0), K, q);
-        int32_t sum = 0;
-        for (int64_t k = 0; k < K; ++k) sum += q[k];
-        for (int64_t k = K; k < k_pad; ++k) q[k] = 0;
-        sums[m] = 128 * sum;
-      }
-    });
-  });
+  const QuantizedRows xq = quantize_for_tiles(x, k_pad);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* ws = w_scale.data_ptr<float>();
   RADIXSERVE_DISPATCH_FLOAT(y, "int8_vnni_linear", [&] {
@@ -206,26 +254,114 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
     // Threads take blocks of output channels: each reads its part of the weight once.
     at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t block = begin; block < end; ++block) {
-        const int64_t n0 = block * kBlock;
         for (int64_t m = 0; m < M; m += kRows) {
-          const int64_t rows = std::min<int64_t>(kRows, M - m);
-          const Tile<scalar_t> tile{xqp + m * k_pad,
-                                    xs + m,
-                                    sums + m,
-                                    wp + block * k_pad * kBlock,
-                                    ws + n0,
-                                    bp == nullptr ? nullptr : bp + n0,
-                                    yp + m * N + n0,
-                                    k_pad,
-                                    N,
-                                    std::min(kBlock, N - n0)};
-          kTiles<scalar_t>[rows - 1](tile);
+          const Tile tile = tile_of(xq, wp, ws, bp, k_pad, N, m, block);
+          scalar_t* out = yp + m * N + block * kBlock;
+          with_tile_rows(M - m, [&](auto rows) {
+            vnni_tile<decltype(rows)::value>(tile, [out, N](int r, int64_t c, __mmask16 mask,
+                                                            __m512 v) {
+              store_outputs(out + r * N + c, mask, v);
+            });
+          });
         }
       }
     });
   });
 #else
   TORCH_CHECK(false, "int8_vnni_linear: this build has no AVX512-VNNI (int8_vnni_available)");
+#endif
+  return y;
+}
+
+at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed,
+                                         const at::Tensor& w_scale,
+                                         const c10::optional<at::Tensor>& bias_in) {
+  const int64_t N = w_scale.numel(), I = N / 2;
+  TORCH_CHECK(N % 2 == 0, "int8_vnni_linear_silu_and_mul: ", N, " outputs are not [gate | up]");
+  if (I % kBlock != 0) {  // gate's and up's blocks do not pair: the two passes
+    return silu_and_mul(int8_vnni_linear(x, packed, w_scale, bias_in));
+  }
+  const c10::optional<at::Tensor> bias = bias_as_float(bias_in);
+  const float* bp = check_vnni_args(x, packed, w_scale, bias, "int8_vnni_linear_silu_and_mul");
+  const int64_t M = x.size(0), k_pad = packed.size(1) * kGroup;
+  at::Tensor y = at::empty({M, I}, x.options());
+  if (M == 0 || I == 0) return y;
+#if defined(RADIXSERVE_INT8_VNNI)
+  const QuantizedRows xq = quantize_for_tiles(x, k_pad);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* ws = w_scale.data_ptr<float>();
+  const int64_t up_blocks = I / kBlock;  // gate block b pairs with up block b + up_blocks
+  RADIXSERVE_DISPATCH_FLOAT(y, "int8_vnni_linear_silu_and_mul", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    // A thread takes a range of gate's blocks and up's of the same channels. Gate's outputs wait
+    // in float32 for up's, then silu(gate) * up is rounded once: neither is written to memory and
+    // read back. The order of the tiles changes no output's bits.
+    at::parallel_for(0, up_blocks, 1, [&](int64_t begin, int64_t end) {
+      const int64_t chunk = kGateFloats / (M * kBlock);  // pairs whose outputs fit
+      if (chunk >= 2) {
+        // A chunk's gate blocks in a row, then its up blocks: the weight comes as the plain
+        // kernel reads it, one stream at a time (gate's block and then up's, pair by pair,
+        // restarted a stream every 57 KB: 10-18% slower at 1 to 6 rows). The buffers are left
+        // uninitialised, since every float is written before it is read: zeroing them took ~5%
+        // of a one-row call.
+        const int64_t floats = M * std::min(chunk, end - begin) * kBlock;
+        const std::unique_ptr<float[]> gate(new float[floats]), up(new float[floats]);
+        for (int64_t first = begin; first < end; first += chunk) {
+          const int64_t last = std::min(end, first + chunk);
+          const int64_t stride = (last - first) * kBlock;  // row r's outputs at [r * stride]
+          for (const auto& [offset, sums] : {std::pair{int64_t{0}, gate.get()},
+                                             std::pair{up_blocks, up.get()}}) {
+            for (int64_t block = first; block < last; ++block) {
+              for (int64_t m = 0; m < M; m += kRows) {
+                float* dst = sums + m * stride + (block - first) * kBlock;
+                with_tile_rows(M - m, [&](auto rows) {
+                  vnni_tile<decltype(rows)::value>(
+                      tile_of(xq, wp, ws, bp, k_pad, N, m, block + offset),
+                      [dst, stride](int r, int64_t c, __mmask16, __m512 v) {
+                        _mm512_storeu_ps(dst + r * stride + c, v);
+                      });
+                });
+              }
+            }
+          }
+          // SwiGLU apart from the tiles: in an up tile's epilogue it stalled the weight's
+          // stream, where a few rows' tiles wait on memory (2-6% slower at 4-12 rows).
+          for (int64_t r = 0; r < M; ++r) {
+            scalar_t* out = yp + r * I + first * kBlock;
+            for (int64_t c = 0; c < stride; c += kVec) {
+              const Vec both = silu_mul(Vec::loadu(gate.get() + r * stride + c),
+                                        Vec::loadu(up.get() + r * stride + c));
+              store_outputs(out + c, 0xFFFF, __m512(both));
+            }
+          }
+        }
+        return;
+      }
+      // Many rows: each tile of rows through gate's block and then up's, gate's outputs waiting
+      // in L1; both blocks stay in the L2 cache across the rows' tiles.
+      alignas(64) float gate[kRows][kBlock];
+      const auto emit_gate = [&gate](int r, int64_t c, __mmask16, __m512 v) {
+        _mm512_store_ps(gate[r] + c, v);
+      };
+      for (int64_t block = begin; block < end; ++block) {
+        for (int64_t m = 0; m < M; m += kRows) {
+          scalar_t* out = yp + m * I + block * kBlock;
+          const auto emit_out = [&gate, out, I](int r, int64_t c, __mmask16 mask, __m512 v) {
+            store_outputs(out + r * I + c, mask, __m512(silu_mul(Vec::loadu(gate[r] + c), Vec(v))));
+          };
+          with_tile_rows(M - m, [&](auto rows) {
+            constexpr int R = decltype(rows)::value;
+            vnni_tile<R>(tile_of(xq, wp, ws, bp, k_pad, N, m, block), emit_gate);
+            vnni_tile<R>(tile_of(xq, wp, ws, bp, k_pad, N, m, block + up_blocks), emit_out);
+          });
+        }
+      }
+    });
+  });
+#else
+  TORCH_CHECK(false,
+              "int8_vnni_linear_silu_and_mul: this build has no AVX512-VNNI "
+              "(int8_vnni_available)");
 #endif
   return y;
 }

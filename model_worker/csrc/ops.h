@@ -48,6 +48,11 @@ at::Tensor dequantize_rows(const at::Tensor& acc, const at::Tensor& x_scale,
 void int8_vnni_pack(at::Tensor& packed, int64_t start, const at::Tensor& rows);
 at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias);
+// silu(gate) * up of int8_vnni_linear's [gate | up] outputs, in one pass where gate's and up's
+// blocks pair (the intermediate size a multiple of 64): [M, N / 2].
+at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed,
+                                         const at::Tensor& w_scale,
+                                         const c10::optional<at::Tensor>& bias);
 bool int8_vnni_available();
 at::Tensor argmax_rows(const at::Tensor& x);
 

@@ -23,6 +23,9 @@ TORCH_LIBRARY(radixserve, m) {
   m.def("dequantize_rows(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias) -> Tensor");
   m.def("int8_vnni_pack(Tensor(a!) packed, int start, Tensor rows) -> ()");
   m.def("int8_vnni_linear(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias) -> Tensor");
+  m.def(
+      "int8_vnni_linear_silu_and_mul(Tensor x, Tensor packed, Tensor w_scale, Tensor? bias) -> "
+      "Tensor");
   // No tensor to dispatch on: one kernel for every key.
   m.def("int8_vnni_available() -> bool", &radixserve::int8_vnni_available);
   m.def("argmax_rows(Tensor x) -> Tensor");
@@ -41,6 +44,7 @@ TORCH_LIBRARY_IMPL(radixserve, CPU, m) {
   m.impl("dequantize_rows", &radixserve::dequantize_rows);
   m.impl("int8_vnni_pack", &radixserve::int8_vnni_pack);
   m.impl("int8_vnni_linear", &radixserve::int8_vnni_linear);
+  m.impl("int8_vnni_linear_silu_and_mul", &radixserve::int8_vnni_linear_silu_and_mul);
   m.impl("argmax_rows", &radixserve::argmax_rows);
 }
 

@@ -78,6 +78,14 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// SwiGLU's silu(gate) * up in float32, on exp_u20 (within 20 ulp, as attention's softmax takes
+// it) rather than ATen's exp (1 ulp): 36.5 -> 27.6 cycles a vector of a decode step's 64 bf16
+// rows; the same bf16 results on 300,000 gates from -100 to 100 and N(0, 4) (up 1), float32
+// within 4e-7 of float64.
+inline Vec silu_mul(const Vec& gate, const Vec& up) {
+  return gate / (Vec(1.f) + gate.neg().exp_u20()) * up;
+}
+
 // y *= a
 inline void scale_inplace(float* y, float a, int64_t n) {
   const Vec va(a);

@@ -119,7 +119,6 @@ class LlamaMLP(nn.Module):
         device: torch.device,
     ):
         super().__init__()
-        self.ops = ops
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size,
@@ -143,7 +142,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
