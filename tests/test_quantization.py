@@ -262,34 +262,47 @@ def test_the_vnni_kernel_is_exact_at_odd_shapes(n: int, k: int) -> None:
 
 
 @needs_vnni
-@pytest.mark.parametrize(("intermediate", "k"), [(64, 13), (128, 70), (100, 70)])
-def test_the_vnni_swiglu_is_silu_and_mul_of_the_exact_products(intermediate: int, k: int) -> None:
+@pytest.mark.parametrize(
+    ("intermediate", "k", "threads"), [(64, 13, 2), (128, 70, 2), (100, 70, 2), (320, 70, 1)]
+)
+def test_the_vnni_swiglu_is_silu_and_mul_of_the_exact_products(
+    intermediate: int, k: int, threads: int
+) -> None:
     """int8_vnni_linear_silu_and_mul on a [gate | up] weight: silu_and_mul of the exact products,
     in float32 to the bit; in bfloat16 rounded once, gate and up kept in float32 (an intermediate
-    size of 64's multiples, whose blocks pair), or as the two ops give it (100: they do not)."""
+    size of 64's multiples, whose blocks pair), or as the two ops give it (100: they do not).
+    Up to 512 rows a thread takes its blocks in runs (one thread's five blocks: runs of 3 + 2 at
+    300 rows, 2 + 2 + 1 at 512); from 513 on, a tile of rows at a time."""
     gen = torch.Generator().manual_seed(10)
     n = 2 * intermediate
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     w_scale = torch.rand(n, generator=gen) / 50
     weight = Int8Weight.from_int8(q, w_scale, vnni=True)
-    # Up to 512 rows a thread keeps a run of blocks' outputs; past that, a tile's (600).
     x = torch.randn(600, k, generator=gen) * 3
-    for bias in (None, torch.randn(n, generator=gen)):
-        expected = ops.silu_and_mul(exact_reference(x, q, w_scale, bias))
-        for rows in (1, 5, 6, 7, 13, 70, 600):
-            got = ops.int8_vnni_linear_silu_and_mul(x[:rows], weight.q, weight.scale, bias)
-            assert torch.equal(got, expected[:rows]), rows
-        x16 = x.bfloat16()
-        bias16 = None if bias is None else bias.bfloat16()
-        if intermediate % 64 == 0:
-            bias32 = None if bias16 is None else bias16.float()
-            expected16 = ops.silu_and_mul(exact_reference(x16.float(), q, w_scale, bias32))
-            expected16 = expected16.bfloat16()
-        else:
-            expected16 = ops.silu_and_mul(weight.matmul(x16, bias16))
-        for rows in (70, 600):
-            got16 = ops.int8_vnni_linear_silu_and_mul(x16[:rows], weight.q, weight.scale, bias16)
-            assert got16.dtype == torch.bfloat16 and torch.equal(got16, expected16[:rows]), rows
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bias in (None, torch.randn(n, generator=gen)):
+            expected = ops.silu_and_mul(exact_reference(x, q, w_scale, bias))
+            for rows in (1, 5, 6, 7, 13, 70, 300, 512, 513, 600):
+                got = ops.int8_vnni_linear_silu_and_mul(x[:rows], weight.q, weight.scale, bias)
+                assert torch.equal(got, expected[:rows]), rows
+            x16 = x.bfloat16()
+            bias16 = None if bias is None else bias.bfloat16()
+            if intermediate % 64 == 0:
+                bias32 = None if bias16 is None else bias16.float()
+                expected16 = ops.silu_and_mul(exact_reference(x16.float(), q, w_scale, bias32))
+                expected16 = expected16.bfloat16()
+            else:
+                expected16 = ops.silu_and_mul(weight.matmul(x16, bias16))
+            for rows in (1, 5, 70, 512, 513):
+                got16 = ops.int8_vnni_linear_silu_and_mul(
+                    x16[:rows], weight.q, weight.scale, bias16
+                )
+                assert got16.dtype == torch.bfloat16, rows
+                assert torch.equal(got16, expected16[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
     assert ops.int8_vnni_linear_silu_and_mul(x[:0], weight.q, weight.scale, None).shape == (
         0,
         intermediate,

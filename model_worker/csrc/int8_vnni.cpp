@@ -20,12 +20,16 @@
 #include <immintrin.h>
 #define RADIXSERVE_INT8_VNNI 1
 #endif
+// SwiGLU on the tiles' outputs takes ATen's 16-lane float vectors (vec_utils.h's Vec), which a
+// build for another capability than AVX-512 does not have: there the op runs the two passes.
+#if defined(RADIXSERVE_INT8_VNNI) && defined(CPU_CAPABILITY_AVX512)
+#define RADIXSERVE_VNNI_SWIGLU 1
+#endif
 
 #include <cstring>
 #include <memory>
-#include <utility>
 #include <type_traits>
-#include <vector>
+#include <utility>
 
 #include <c10/util/BFloat16.h>
 
@@ -49,8 +53,10 @@ constexpr int64_t kGroup = 4;   // k per vpdpbusd lane
 constexpr int kRows = 6;
 // Outputs of gate's blocks, and as many of up's, that a thread of int8_vnni_linear_silu_and_mul
 // keeps at a time, at most: 256 KB each, in the L2 cache beside the blocks being read.
-constexpr int64_t kGateFloats = 64 * 1024;
+constexpr int64_t kRunFloats = 64 * 1024;
+#if defined(RADIXSERVE_VNNI_SWIGLU)
 static_assert(kLanes == kVec, "the outputs' float vectors are the sums' int32 vectors");
+#endif
 
 struct Tile {
   const int8_t* x;       // the tile's first token, quantized; rows k_pad apart
@@ -124,7 +130,7 @@ __attribute__((noinline)) void vnni_tile(const Tile& t, const Emit& emit) {
   }
 }
 
-// Runs f<R>() for a tile of `rows` (1..6) rows.
+// Runs f<R>() for a tile of min(rows, 6) rows.
 template <typename F>
 inline void with_tile_rows(int64_t rows, F&& f) {
   switch (rows) {
@@ -146,7 +152,7 @@ struct QuantizedRows {
   int32_t* sum;
 };
 
-QuantizedRows quantize_for_tiles(const at::Tensor& x, int64_t k_pad) {
+QuantizedRows quantize_for_tiles(const at::Tensor& x, int64_t k_pad, const char* op) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedRows rows{at::empty({M, k_pad}, x.options().dtype(at::kChar)),
                      at::empty({M}, x.options().dtype(at::kFloat)),
@@ -157,7 +163,7 @@ QuantizedRows quantize_for_tiles(const at::Tensor& x, int64_t k_pad) {
   int8_t* qp = rows.q;
   float* xs = rows.scale;
   int32_t* sums = rows.sum;
-  RADIXSERVE_DISPATCH_FLOAT(x, "int8_vnni_linear", [&] {
+  RADIXSERVE_DISPATCH_FLOAT(x, op, [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
@@ -246,7 +252,7 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 #if defined(RADIXSERVE_INT8_VNNI)
-  const QuantizedRows xq = quantize_for_tiles(x, k_pad);
+  const QuantizedRows xq = quantize_for_tiles(x, k_pad, "int8_vnni_linear");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* ws = w_scale.data_ptr<float>();
   RADIXSERVE_DISPATCH_FLOAT(y, "int8_vnni_linear", [&] {
@@ -278,7 +284,12 @@ at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& 
                                          const c10::optional<at::Tensor>& bias_in) {
   const int64_t N = w_scale.numel(), I = N / 2;
   TORCH_CHECK(N % 2 == 0, "int8_vnni_linear_silu_and_mul: ", N, " outputs are not [gate | up]");
-  if (I % kBlock != 0) {  // gate's and up's blocks do not pair: the two passes
+#if defined(RADIXSERVE_VNNI_SWIGLU)
+  const bool pairs = I % kBlock == 0;
+#else
+  const bool pairs = false;
+#endif
+  if (!pairs) {  // gate's and up's blocks do not pair (or no 16-lane Vec): the two passes
     return silu_and_mul(int8_vnni_linear(x, packed, w_scale, bias_in));
   }
   const c10::optional<at::Tensor> bias = bias_as_float(bias_in);
@@ -286,34 +297,35 @@ at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& 
   const int64_t M = x.size(0), k_pad = packed.size(1) * kGroup;
   at::Tensor y = at::empty({M, I}, x.options());
   if (M == 0 || I == 0) return y;
-#if defined(RADIXSERVE_INT8_VNNI)
-  const QuantizedRows xq = quantize_for_tiles(x, k_pad);
+#if defined(RADIXSERVE_VNNI_SWIGLU)
+  const QuantizedRows xq = quantize_for_tiles(x, k_pad, "int8_vnni_linear_silu_and_mul");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* ws = w_scale.data_ptr<float>();
   const int64_t up_blocks = I / kBlock;  // gate block b pairs with up block b + up_blocks
   RADIXSERVE_DISPATCH_FLOAT(y, "int8_vnni_linear_silu_and_mul", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
-    // A thread takes a range of gate's blocks and up's of the same channels. Gate's outputs wait
-    // in float32 for up's, then silu(gate) * up is rounded once: neither is written to memory and
-    // read back. The order of the tiles changes no output's bits.
+    // A thread takes a range of gate's blocks and up's of the same channels. Their outputs wait
+    // in float32 in the cache (not a [rows, 2 x intermediate] tensor in the activations' dtype,
+    // written out and read back), then silu(gate) * up is rounded once. The order of the tiles
+    // changes no output's bits.
     at::parallel_for(0, up_blocks, 1, [&](int64_t begin, int64_t end) {
-      const int64_t chunk = kGateFloats / (M * kBlock);  // pairs whose outputs fit
+      const int64_t chunk = kRunFloats / (M * kBlock);  // pairs whose outputs fit
       if (chunk >= 2) {
         // A chunk's gate blocks in a row, then its up blocks: the weight comes as the plain
         // kernel reads it, one stream at a time (gate's block and then up's, pair by pair,
-        // restarted a stream every 57 KB: 10-18% slower at 1 to 6 rows). The buffers are left
-        // uninitialised, since every float is written before it is read: zeroing them took ~5%
-        // of a one-row call.
+        // restarted a stream every block, 57 KB at K = 896: 10-18% slower at 1 to 6 rows).
+        // The buffers are left uninitialised, since every float is written before it is read:
+        // zeroing them took ~5% of a one-row call.
         const int64_t floats = M * std::min(chunk, end - begin) * kBlock;
         const std::unique_ptr<float[]> gate(new float[floats]), up(new float[floats]);
         for (int64_t first = begin; first < end; first += chunk) {
           const int64_t last = std::min(end, first + chunk);
           const int64_t stride = (last - first) * kBlock;  // row r's outputs at [r * stride]
-          for (const auto& [offset, sums] : {std::pair{int64_t{0}, gate.get()},
-                                             std::pair{up_blocks, up.get()}}) {
+          for (const auto& [offset, outputs] : {std::pair{int64_t{0}, gate.get()},
+                                                std::pair{up_blocks, up.get()}}) {
             for (int64_t block = first; block < last; ++block) {
               for (int64_t m = 0; m < M; m += kRows) {
-                float* dst = sums + m * stride + (block - first) * kBlock;
+                float* dst = outputs + m * stride + (block - first) * kBlock;
                 with_tile_rows(M - m, [&](auto rows) {
                   vnni_tile<decltype(rows)::value>(
                       tile_of(xq, wp, ws, bp, k_pad, N, m, block + offset),
@@ -325,7 +337,7 @@ at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& 
             }
           }
           // SwiGLU apart from the tiles: in an up tile's epilogue it stalled the weight's
-          // stream, where a few rows' tiles wait on memory (2-6% slower at 4-12 rows).
+          // stream, where a few rows' tiles wait on memory (1.02-1.08x the time at 4-12 rows).
           for (int64_t r = 0; r < M; ++r) {
             scalar_t* out = yp + r * I + first * kBlock;
             for (int64_t c = 0; c < stride; c += kVec) {
@@ -359,9 +371,7 @@ at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& 
     });
   });
 #else
-  TORCH_CHECK(false,
-              "int8_vnni_linear_silu_and_mul: this build has no AVX512-VNNI "
-              "(int8_vnni_available)");
+  TORCH_CHECK(false, "int8_vnni_linear_silu_and_mul: unreachable without RADIXSERVE_VNNI_SWIGLU");
 #endif
   return y;
 }
