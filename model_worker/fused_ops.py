@@ -132,8 +132,8 @@ class CpuKernelOps(TorchOps):
     def linear_silu_and_mul(
         self, x: torch.Tensor, weight: torch.Tensor | PreparedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        # On the VNNI layout in one pass: gate's and up's outputs are neither rounded to x's dtype
-        # nor written out and read back (a 2,048-token chunk's gate_up wrote 40 MB a layer).
+        # On the VNNI layout in one op: gate's and up's outputs stay float32, not rounded to x's
+        # dtype (a 2,048-token chunk's gate_up wrote 40 MB a layer in bfloat16, read back).
         if isinstance(weight, Int8Weight) and weight.vnni:
             return self._int8_vnni_linear_silu_and_mul(x, weight.q, weight.scale, bias)
         return super().linear_silu_and_mul(x, weight, bias)

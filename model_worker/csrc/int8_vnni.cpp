@@ -54,6 +54,9 @@ constexpr int kRows = 6;
 // Outputs of gate's blocks, and as many of up's, that a thread of int8_vnni_linear_silu_and_mul
 // keeps at a time, at most: 256 KB each, in the L2 cache beside the blocks being read.
 constexpr int64_t kRunFloats = 64 * 1024;
+// Rows up to which int8_vnni_linear_silu_and_mul splits the weight's blocks as int8_vnni_linear
+// does (a tile's rows, so that each block is read once).
+constexpr int64_t kFewRows = kRows;
 #if defined(RADIXSERVE_VNNI_SWIGLU)
 static_assert(kLanes == kVec, "the outputs' float vectors are the sums' int32 vectors");
 #endif
@@ -304,6 +307,36 @@ at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& 
   const int64_t up_blocks = I / kBlock;  // gate block b pairs with up block b + up_blocks
   RADIXSERVE_DISPATCH_FLOAT(y, "int8_vnni_linear_silu_and_mul", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
+    if (M <= kFewRows) {
+      // A few rows: the weight's read from memory is the whole cost, and the threads read it as
+      // int8_vnni_linear does, gate's blocks and up's apart (a thread taking each its gate's and
+      // up's blocks was 1.14-1.17x slower at one row on two threads, at the 8B's 4,096 x 24,576),
+      // into float32 outputs; then silu(gate) * up, rounded once: the bits of the paths below.
+      const std::unique_ptr<float[]> both(new float[M * N]);
+      float* bp_out = both.get();
+      at::parallel_for(0, 2 * up_blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t block = begin; block < end; ++block) {
+          float* dst = bp_out + block * kBlock;
+          with_tile_rows(M, [&](auto rows) {
+            vnni_tile<decltype(rows)::value>(
+                tile_of(xq, wp, ws, bp, k_pad, N, 0, block),
+                [dst, N](int r, int64_t c, __mmask16, __m512 v) {
+                  _mm512_storeu_ps(dst + r * N + c, v);
+                });
+          });
+        }
+      });
+      at::parallel_for(0, up_blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t r = 0; r < M; ++r) {
+          for (int64_t c = begin * kBlock; c < end * kBlock; c += kVec) {
+            const Vec out = silu_mul(Vec::loadu(bp_out + r * N + c),
+                                     Vec::loadu(bp_out + r * N + I + c));
+            store_outputs(yp + r * I + c, 0xFFFF, __m512(out));
+          }
+        }
+      });
+      return;
+    }
     // A thread takes a range of gate's blocks and up's of the same channels. Their outputs wait
     // in float32 in the cache (not a [rows, 2 x intermediate] tensor in the activations' dtype,
     // written out and read back), then silu(gate) * up is rounded once. The order of the tiles
