@@ -274,7 +274,7 @@ def test_readme_curl_lines_answer_as_the_zmq_client_does(server, client):
     assert completion["choices"][0]["text"] == want and "Paris" in want
 
     chat = json.loads(curl("curl -s localhost:30080/v1/chat/completions"))
-    question = [user("What is the capital of France?")]
+    question = [user("Name the capital of France.")]
     answer_text = answer(client, question, temperature=0, max_new_tokens=16)
     assert chat["choices"][0]["message"]["content"] == answer_text
     assert chat["usage"]["completion_tokens"] == len(client_ids(question))

@@ -144,7 +144,7 @@ def test_installed_entry_points_serve_and_generate(env, tmp_path):
                 "0",
                 "--max-new-tokens",
                 "16",
-                "What is the capital of France?",
+                "Name the capital of France.",
             ],
             cwd=tmp_path,
             capture_output=True,

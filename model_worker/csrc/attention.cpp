@@ -11,9 +11,11 @@
 // buffer holds bfloat16 pairs and vdpbf16ps takes two elements a lane (the scale applied to the
 // sums). P x V: each V row is a vector, widened to float32 once per row group (once per block,
 // into a buffer, where the rows span several groups), each probability a broadcast, the rows'
-// sums in registers. Softmax's exp is ATen's exp_u20 on whole vectors of a row's scores (within
-// 20 ulp, as ATen's flash attention); the keys past its last whole vector, and the rescale of
-// its sums, take std::exp.
+// sums in registers; where the scores take vdpbf16ps, so does P x V, on the probabilities
+// rounded to bfloat16 (as FlashAttention's P x V; the softmax's sums stay float32) and two keys'
+// V rows interleaved into pairs: half the multiply-adds. Softmax's exp is ATen's exp_u20 on
+// vectors of a row's scores (within 20 ulp, as ATen's flash attention), the last one masked;
+// the rescale of its sums takes std::exp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -183,13 +185,13 @@ void score_key_pairs(const uint32_t* q, int64_t E, const uint32_t* kt, int64_t c
 }
 #endif
 
-// acc[i] += sum_j p[i][j] v_j for RN query rows over the V rows from `offset` on: each V vector
-// loaded (and widened to float32) once for all RN rows, two vectors of each row's sums in
-// registers.
+// acc[i] += sum_j p[i][j] v_j for RN query rows over the V rows from `offset` on (elements d0..D
+// of a row of D): each V vector loaded (and widened to float32) once for all RN rows, two vectors
+// of each row's sums in registers.
 template <int RN, typename V>
 void accumulate_rows(const float* p, const V* const* v_rows, int64_t offset, int64_t n,
-                     int64_t D, float* acc) {
-  int64_t d = 0;
+                     int64_t D, float* acc, int64_t d0 = 0) {
+  int64_t d = d0;
   for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
     Vec a[RN][2];
     for (int i = 0; i < RN; ++i) {
@@ -227,6 +229,73 @@ void accumulate_rows(const float* p, const V* const* v_rows, int64_t offset, int
   }
 }
 
+#if defined(__AVX512BF16__) && defined(RADIXSERVE_ATTN_AVX512)
+// A row's probabilities rounded to bfloat16, in place (s, as float32 values) and as the pairs
+// vdpbf16ps reads (pairs[m] = keys 2m and 2m + 1), for the first n keys (at most kBlockKeys);
+// an odd n's last pair is completed with a zero.
+inline void round_probabilities(float* s, int64_t n, uint32_t* pairs) {
+  if (n % 2 == 1) s[n] = 0.f;  // n < kBlockKeys, which is even
+  for (int64_t j = 0; j < n; j += 2 * kLanes) {
+    const __m512 lo = _mm512_loadu_ps(s + j), hi = _mm512_loadu_ps(s + j + kLanes);
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 first
+    _mm512_storeu_si512(pairs + j / 2, both);
+    // bfloat16 is float32's upper half: the rounded values, widened back.
+    _mm512_storeu_si512(s + j, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                   _mm512_castsi512_si256(both)), 16));
+    _mm512_storeu_si512(s + j + kLanes, _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                            _mm512_extracti64x4_epi64(both, 1)), 16));
+  }
+}
+
+// acc[i] += sum_j p[i][j] v_j for RN query rows, as accumulate_rows, on bfloat16 probabilities
+// and V rows: per 32 elements of a head, two keys' V rows interleaved once (unpacklo/hi: each
+// 32-bit lane a (key 2m, key 2m + 1) pair of one element), then one vdpbf16ps per row and half,
+// half the multiply-adds of float32's. The unpacks leave the lanes in the order below; a row's
+// sums are brought to it and back once a block. Elements past the last 32 take float32's loop
+// on the same rounded probabilities (s), so that every element sums the same products.
+template <int RN>
+void accumulate_pairs(const uint32_t* pairs, const float* s, const at::BFloat16* const* v_rows,
+                      int64_t offset, int64_t n, int64_t D, float* acc) {
+  // Lane k of the low half holds element 8 (k / 4) + k % 4 of 32, of the high half 4 more.
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi = _mm512_add_epi32(to_lo, _mm512_set1_epi32(4));
+  const __m512i back_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i back_1 = _mm512_add_epi32(back_0, _mm512_set1_epi32(8));
+  const int64_t whole = n / 2;
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= D; d += 2 * kLanes) {
+    __m512 lo[RN], hi[RN];
+    for (int i = 0; i < RN; ++i) {
+      const __m512 a0 = _mm512_loadu_ps(acc + i * D + d);
+      const __m512 a1 = _mm512_loadu_ps(acc + i * D + d + 16);
+      lo[i] = _mm512_permutex2var_ps(a0, to_lo, a1);
+      hi[i] = _mm512_permutex2var_ps(a0, to_hi, a1);
+    }
+    const auto add_pair = [&](int64_t m, __m512i v0, __m512i v1) {
+      const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+      const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+      for (int i = 0; i < RN; ++i) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(pairs[i * (kBlockKeys / 2) + m]);
+        lo[i] = _mm512_dpbf16_ps(lo[i], pv, vlo);
+        hi[i] = _mm512_dpbf16_ps(hi[i], pv, vhi);
+      }
+    };
+    for (int64_t m = 0; m < whole; ++m) {
+      add_pair(m, _mm512_loadu_si512(v_rows[2 * m] + offset + d),
+               _mm512_loadu_si512(v_rows[2 * m + 1] + offset + d));
+    }
+    if (n % 2 == 1) {  // the last key alone, with a zero row (and probability) beside it
+      add_pair(whole, _mm512_loadu_si512(v_rows[n - 1] + offset + d), _mm512_setzero_si512());
+    }
+    for (int i = 0; i < RN; ++i) {
+      _mm512_storeu_ps(acc + i * D + d, _mm512_permutex2var_ps(lo[i], back_0, hi[i]));
+      _mm512_storeu_ps(acc + i * D + d + 16, _mm512_permutex2var_ps(lo[i], back_1, hi[i]));
+    }
+  }
+  if (d < D) accumulate_rows<RN>(s, v_rows, offset, n, D, acc, d);
+}
+#endif
+
 // Runs f<RN>(first row) over rows [0, R) in groups of up to kRowGroup.
 template <typename F>
 void for_row_groups(int64_t R, F&& f) {
@@ -260,17 +329,14 @@ void for_key_chunks(int64_t nchunks, F&& f) {
   for (; c < nchunks; ++c) f(std::integral_constant<int, 1>{}, c);
 }
 
-// The largest score of a row's first cnt keys.
+// The largest score of a row's first cnt keys (at least one).
 inline float row_max_of(const float* s, int64_t cnt) {
-  float m = -std::numeric_limits<float>::infinity();
+  const Vec none(-std::numeric_limits<float>::infinity());
+  Vec vm = none;
   int64_t j = 0;
-  if (cnt >= kLanes) {
-    Vec vm = Vec::loadu(s);
-    for (j = kLanes; j + kLanes <= cnt; j += kLanes) vm = at::vec::maximum(vm, Vec::loadu(s + j));
-    m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vm);
-  }
-  for (; j < cnt; ++j) m = std::max(m, s[j]);
-  return m;
+  for (; j + kLanes <= cnt; j += kLanes) vm = at::vec::maximum(vm, Vec::loadu(s + j));
+  if (j < cnt) vm = at::vec::maximum(vm, Vec::set(none, Vec::loadu(s + j, cnt - j), cnt - j));
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vm);
 }
 
 struct Item {
@@ -353,9 +419,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     std::vector<float> qbuf(kPairs ? 0 : rows_max * D), acc(rows_max * D);
     std::vector<uint32_t> qpairs(kPairs ? rows_max * E : 0);
     std::vector<float> scores(q_block * G * kBlockKeys), row_max(rows_max), row_sum(rows_max);
+    // (kPairs) the rows' probabilities as bfloat16 pairs, for P x V.
+    std::vector<uint32_t> prob_pairs(kPairs ? q_block * G * kBlockKeys / 2 : 0);
     std::vector<uint32_t> ktile(kChunks * E * kLanes);
     // A bfloat16 block's V rows widened once for all row groups, where there are several.
-    std::vector<float> vtile(std::is_same_v<T, float> ? 0 : kBlockKeys * D);
+    std::vector<float> vtile(std::is_same_v<T, float> || kPairs ? 0 : kBlockKeys * D);
     std::vector<const float*> vtile_rows(kBlockKeys);
     for (int64_t j = 0; j < static_cast<int64_t>(vtile.size()) / D; ++j) {
       vtile_rows[j] = vtile.data() + j * D;
@@ -415,7 +483,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               std::min<int64_t>(kLanes, n - c * kLanes), E,
                               ktile.data() + c * E * kLanes);
           }
-          const bool widen_v = !std::is_same_v<T, float> && R > kRowGroup;
+          const bool widen_v = !std::is_same_v<T, float> && !kPairs && R > kRowGroup;
           for (int64_t j = 0; widen_v && j < n; ++j) {
             const T* src = vrows[j] + hh * D;
             float* dst = vtile.data() + j * D;
@@ -456,18 +524,29 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               p.store(s + j);
               vsum = vsum + p;
             }
-            float sum = hsum(vsum);
-            for (; j < cnt; ++j) {
-              s[j] = std::exp(s[j] - new_max);
-              sum += s[j];
+            if (j < cnt) {  // the last keys in one vector, the lanes past them zero
+              const int64_t rest = cnt - j;
+              const Vec p = Vec::set(Vec(0.f), (Vec::loadu(s + j, rest) - vmax).exp_u20(), rest);
+              p.store(s + j);  // whole: j < cnt <= kBlockKeys, and j a multiple of kLanes
+              vsum = vsum + p;
             }
-            row_sum[hh * R + r] = row_sum[hh * R + r] * rescale + sum;
+            row_sum[hh * R + r] = row_sum[hh * R + r] * rescale + hsum(vsum);
             m = new_max;
             if (rescale != 1.f) scale_inplace(acch + r * D, rescale, D);
           }
           for_row_groups(R, [&](auto rn, int64_t r0) {
             constexpr int RN = decltype(rn)::value;
-            const float* p = scores.data() + r0 * kBlockKeys;
+            float* p = scores.data() + r0 * kBlockKeys;
+#if defined(__AVX512BF16__) && defined(RADIXSERVE_ATTN_AVX512)
+            if constexpr (kPairs) {
+              uint32_t* pairs = prob_pairs.data() + r0 * (kBlockKeys / 2);
+              for (int i = 0; i < RN; ++i) {
+                round_probabilities(p + i * kBlockKeys, n, pairs + i * (kBlockKeys / 2));
+              }
+              accumulate_pairs<RN>(pairs, p, vrows.data(), hh * D, n, D, acch + r0 * D);
+              return;
+            }
+#endif
             if (widen_v) {
               accumulate_rows<RN>(p, vtile_rows.data(), 0, n, D, acch + r0 * D);
             } else {
