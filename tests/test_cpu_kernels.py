@@ -94,17 +94,25 @@ def test_paged_attention_in_bfloat16_is_close_to_torch_native(kernel_ops, head_d
 
 
 @needs_native_bf16
-# 64 and 128: compiled in; 80 and 40: the general loop, P x V ending on 16 lanes and on 8 singly.
-@pytest.mark.parametrize("head_dim", [64, 128, 80, 40])
-# 6 work items: one thread takes every KV head of an item at once, two threads one head each.
-@pytest.mark.parametrize("threads", [1, 2])
-def test_paged_attention_in_bfloat16_is_within_its_roundings(kernel_ops, head_dim, threads) -> None:
+# 64 and 128: compiled in; 80 and 40: the general loop, P x V ending on 16 lanes and on 8 singly;
+# 16: no whole 32 elements of P x V pairs.
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 40, 16])
+# 6 work items: one thread takes every KV head of an item at once (6 units: a thread takes its
+# next unit as it starts one), two threads one head each (12), four too (12 < 4 x 4: one unit at
+# a time).
+@pytest.mark.parametrize("threads", [1, 2, 4])
+# A decode's rows: 4 query heads a KV head (row groups of 4, and of 8 in the chunk), 7 (as the
+# 0.5B: 7, and 8 + 8 + 5 in the chunk), 2.
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (7, 1), (6, 3)])
+def test_paged_attention_in_bfloat16_is_within_its_roundings(
+    kernel_ops, head_dim, threads, heads, kv_heads
+) -> None:
     """Against float64 on the same bfloat16 values: within the output's rounding and the
     probabilities' (2^-8 each, with room for float32's sums: a kernel may round P to bfloat16
     for P x V, as FlashAttention does), much tighter than close_in_bf16, so that a value paired
     with the wrong key's probability shows. Decodes at odd and even context lengths and a
     prefill chunk (its rows over several groups)."""
-    heads, kv_heads, lens = 8, 2, [(150, 1), (33, 1), (0, 1), (64, 1), (100, 21)]
+    lens = [(150, 1), (33, 1), (0, 1), (64, 1), (100, 21)]
     gen = torch.Generator().manual_seed(head_dim)
     slots_needed = sum(p + e for p, e in lens)
     k_cache = torch.randn(slots_needed, kv_heads, head_dim, generator=gen).to(BF16)
@@ -518,3 +526,16 @@ def test_paged_attention_rows_do_not_depend_on_their_batch(kernel_ops, dtype, he
     chunk = attend(0)
     for first in (extend - 1, extend - 2, 7):  # a decode, two rows, a shorter chunk
         assert torch.equal(attend(first), chunk[first:]), first
+
+    def decode(t: int) -> torch.Tensor:
+        """Row t of the extend alone, as a decode over the prefix and the rows before it."""
+        return torch.ops.radixserve.paged_attention(
+            q[t : t + 1], k[t : t + 1], v[t : t + 1], k_cache, v_cache,
+            slots[0, prefix + t : prefix + t + 1], slots,
+            torch.tensor([prefix + t]), torch.tensor([1]), head_dim**-0.5,
+        )  # fmt: skip
+
+    # Rows inside the chunk, whose last block there holds more keys than the row sees (odd
+    # counts beside keys of probability zero, at 101 keys), as a decode of their own.
+    for t in (0, 5, 15):
+        assert torch.equal(decode(t), chunk[t : t + 1]), t

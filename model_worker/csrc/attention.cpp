@@ -54,9 +54,12 @@ inline void prefetch_row(const T* row, int64_t D) {
 }
 
 // A work unit's K and V rows (elements [offset, offset + row_elems) of each of its keys' slots)
-// fetched into L2 a slice at a time, while the thread computes the unit before it: a decode's
+// fetched toward L2 a slice at a time, while the thread computes the unit before it: a decode's
 // rows come from memory (a step's K and V outgrow L3), and the unit's own 8-keys-ahead fetches
-// into L1 then find them in L2 instead of waiting on memory in a burst.
+// into L1 then find them in L2 instead of waiting on memory in a burst. Only the unit's first
+// kNextUnitBytes: more would evict its own first rows, and the current unit's, before their use.
+constexpr int64_t kNextUnitBytes = 256 * 1024;  // a quarter of a Zen 4 core's L2
+
 template <typename T>
 struct NextUnitRows {
   const T* k = nullptr;
@@ -65,17 +68,24 @@ struct NextUnitRows {
   int64_t keys = 0, heads = 0, offset = 0, row_elems = 0, head_size = 0;
   int64_t done = 0, per_slice = 0;
 
-  // Spreads the rows over `slices` calls of fetch_slice.
-  void plan(int64_t slices) { per_slice = slices > 0 ? (keys + slices - 1) / slices : 0; }
+  // Spreads the rows, up to kNextUnitBytes of them, over `slices` calls of fetch_slice.
+  void plan(int64_t slices) {
+    if (row_elems > 0) {
+      keys = std::min(keys, kNextUnitBytes / (2 * row_elems * static_cast<int64_t>(sizeof(T))));
+    }
+    per_slice = slices > 0 ? (keys + slices - 1) / slices : 0;
+  }
 
   void fetch_slice() {
     const int64_t end = std::min(keys, done + per_slice);
     for (; done < end; ++done) {
       const int64_t at = (slots[done] * heads) * head_size + offset;
       for (int64_t e = 0; e < row_elems; e += 64 / sizeof(T)) {
-        __builtin_prefetch(k + at + e, 0, 2);  // locality 2: prefetcht1, into L2
+        __builtin_prefetch(k + at + e, 0, 2);  // locality 2: prefetcht1 on x86
         __builtin_prefetch(v + at + e, 0, 2);
       }
+      __builtin_prefetch(k + at + row_elems - 1, 0, 2);  // the row's last line, where it starts
+      __builtin_prefetch(v + at + row_elems - 1, 0, 2);  // past a line's first byte
     }
   }
 };
@@ -259,10 +269,11 @@ void accumulate_rows(const float* p, const V* const* v_rows, int64_t offset, int
 
 #if defined(__AVX512BF16__) && defined(RADIXSERVE_ATTN_AVX512)
 // A row's probabilities rounded to bfloat16, in place (s, as float32 values) and as the pairs
-// vdpbf16ps reads (pairs[m] = keys 2m and 2m + 1), for the first n keys (at most kBlockKeys);
-// an odd n's last pair is completed with a zero.
+// vdpbf16ps reads (pairs[m] = keys 2m and 2m + 1), for the first n keys (at most kBlockKeys;
+// those past n up to the next 32 are rounded too, and never read); an odd n's last pair is
+// completed with a zero.
 inline void round_probabilities(float* s, int64_t n, uint32_t* pairs) {
-  if (n % 2 == 1) s[n] = 0.f;  // n < kBlockKeys, which is even
+  if (n % 2 == 1) s[n] = 0.f;  // n < kBlockKeys, which is even; a stale NaN times 0 is NaN
   for (int64_t j = 0; j < n; j += 2 * kLanes) {
     const __m512 lo = _mm512_loadu_ps(s + j), hi = _mm512_loadu_ps(s + j + kLanes);
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 first
@@ -280,7 +291,10 @@ inline void round_probabilities(float* s, int64_t n, uint32_t* pairs) {
 // 32-bit lane a (key 2m, key 2m + 1) pair of one element), then one vdpbf16ps per row and half,
 // half the multiply-adds of float32's. The unpacks leave the lanes in the order below; a row's
 // sums are brought to it and back once a block. Elements past the last 32 take float32's loop
-// on the same rounded probabilities (s), so that every element sums the same products.
+// on the same rounded probabilities (s): every element sums the same products, whatever the
+// rows' group.
+static_assert(kLanes == 16, "accumulate_pairs: AVX-512's 16 float lanes");
+
 template <int RN>
 void accumulate_pairs(const uint32_t* pairs, const float* s, const at::BFloat16* const* v_rows,
                       int64_t offset, int64_t n, int64_t D, float* acc) {
@@ -582,17 +596,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           for_row_groups(R, [&](auto rn, int64_t r0) {
             constexpr int RN = decltype(rn)::value;
             float* p = scores.data() + r0 * kBlockKeys;
-#if defined(__AVX512BF16__) && defined(RADIXSERVE_ATTN_AVX512)
             if constexpr (kPairs) {
+#if defined(__AVX512BF16__) && defined(RADIXSERVE_ATTN_AVX512)
               uint32_t* pairs = prob_pairs.data() + r0 * (kBlockKeys / 2);
               for (int i = 0; i < RN; ++i) {
                 round_probabilities(p + i * kBlockKeys, n, pairs + i * (kBlockKeys / 2));
               }
               accumulate_pairs<RN>(pairs, p, vrows.data(), hh * D, n, D, acch + r0 * D);
-              return;
-            }
 #endif
-            if (widen_v) {
+            } else if (widen_v) {
               accumulate_rows<RN>(p, vtile_rows.data(), 0, n, D, acch + r0 * D);
             } else {
               accumulate_rows<RN>(p, vrows.data(), hh * D, n, D, acch + r0 * D);
