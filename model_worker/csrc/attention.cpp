@@ -628,7 +628,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 // Every shape and length relation the kernel relies on, in O(batch) (and the new tokens' slots,
-// which it writes): a caller's mistake is an error, never a read or write out of bounds.
+// which it writes): a caller's mistake is an error, never a read or write out of bounds. The
+// slots it reads (kv_slots) it trusts: checking them is O(batch x context) a layer, so
+// CpuAttnBackend checks them once a forward (cpu_attention.py).
 void check_lengths(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& out_cache_loc, const at::Tensor& kv_slots,
