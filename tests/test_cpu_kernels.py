@@ -5,6 +5,8 @@ against the torch_native backend on a mixed batch, each fused op against TorchOp
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
 
@@ -34,6 +36,17 @@ needs_native_bf16 = pytest.mark.skipif(
 # The kernels compute in float32 and round once; torch rounds after each eager op: a few bf16
 # steps (2^-8 relative) apart.
 close_in_bf16 = partial(torch.testing.assert_close, atol=2e-2, rtol=2e-2)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to n inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -129,15 +142,11 @@ def test_paged_attention_in_bfloat16_is_within_its_roundings(
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(BF16)
     v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(BF16)
     new_slots = torch.cat([kv_slots[b, p : p + e] for b, (p, e) in enumerate(lens)])
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = torch.ops.radixserve.paged_attention(
             q, k, v, k_cache, v_cache, new_slots, kv_slots,
             torch.tensor([p for p, _ in lens]), torch.tensor([e for _, e in lens]), head_dim**-0.5,
         ).double()  # fmt: skip
-    finally:
-        torch.set_num_threads(before)
     group = heads // kv_heads
     row = 0
     for b, (p, e) in enumerate(lens):
@@ -304,9 +313,9 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
 def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone() -> None:
     """bfloat16 rows through linear_panels in tiles (of 6, and a last one of each smaller size;
     several blocks of k, each summed from zero and added to the total, as oneDNN sums a wide input)
-    equal, to the bit, each row computed alone: whatever the batch, the block sizes (oneDNN's for a
-    1,100-wide input, and 64 k over 200), K odd or even, and x's rows read in place (aligned) or
-    copied (a view 2 bytes off)."""
+    equal, to the bit, each row computed alone: whatever the batch, the threads (which may split a
+    panel's tiles), the block sizes (oneDNN's for a 1,100-wide input, and 64 k over 200), K odd or
+    even, and x's rows read in place (aligned) or copied (a view 2 bytes off)."""
     gen = torch.Generator().manual_seed(1)
     linear_panels = torch.ops.radixserve.linear_panels
     for k, k_block in ((1100, None), (1101, None), (200, 64)):
@@ -331,14 +340,19 @@ def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone() -> None:
             off = flat[1 : 1 + rows * k].view(rows, k)  # 2 bytes past the aligned start
             for x in (aligned, off):
                 for b in (None, bias):
-                    many = linear_panels(x, packed.packed, 192, p.k_pad, p.block, k_block, b)
                     alone = [
                         linear_panels(
                             x[i : i + 1], packed.packed, 192, p.k_pad, p.block, k_block, b
                         )
                         for i in range(rows)
                     ]
-                    assert torch.equal(many, torch.cat(alone))
+                    # 2 and 4 threads split a panel's tiles between them (3 panels, 11 tiles)
+                    for threads in (1, 2, 4):
+                        with torch_threads(threads):
+                            many = linear_panels(
+                                x, packed.packed, 192, p.k_pad, p.block, k_block, b
+                            )
+                        assert torch.equal(many, torch.cat(alone)), (rows, threads)
         if packed.panels is not None and k_block == p.k_block:  # and oneDNN's sum for these rows
             x = flat[: 64 * k].view(64, k)
             assert torch.equal(

@@ -4,9 +4,11 @@ torch._int_mm where it is exact)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from test_cpu_kernels import _one_prompt_batch
+from test_cpu_kernels import _one_prompt_batch, torch_threads
 
 from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
@@ -236,9 +238,9 @@ def test_int8_gemm_rescales_block_by_block_as_one_rescale_of_the_whole(with_bias
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 13), (100, 70), (130, 261)])
 def test_the_vnni_kernel_is_exact_at_odd_shapes(n: int, k: int) -> None:
     """Channels not a multiple of the block (64) or vector (16), K not a multiple of the group
-    (4) or the vector (64), every row count of 1 to 70 (tiles of 6 rows and every remainder), rows
-    of any stride, bias or not: the exact int32 products, rescaled bit for bit as the other
-    paths do, and as int8_linear on the plain weight; bfloat16 rows likewise."""
+    (4) or the vector (64), every row count of 1 to 70 (tiles of 6 rows and every remainder) on 1,
+    2 and 3 threads, rows of any stride, bias or not: the exact int32 products, rescaled bit for
+    bit as the other paths do, and as int8_linear on the plain weight; bfloat16 rows likewise."""
     gen = torch.Generator().manual_seed(8)
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     w_scale = torch.rand(n, generator=gen)
@@ -247,8 +249,9 @@ def test_the_vnni_kernel_is_exact_at_odd_shapes(n: int, k: int) -> None:
     x = torch.randn(70, 2 * k, generator=gen)[:, :k] * 3  # rows 2K apart: not contiguous
     for bias in (None, torch.randn(n, generator=gen)):
         expected = exact_reference(x, q, w_scale, bias)
-        for rows in range(1, 71):
-            assert torch.equal(weight.matmul(x[:rows], bias), expected[:rows]), rows
+        for rows, threads in itertools.product(range(1, 71), (1, 2, 3)):
+            with torch_threads(threads):  # 2 or 3: a thread's tiles may start inside a block
+                assert torch.equal(weight.matmul(x[:rows], bias), expected[:rows]), (rows, threads)
         assert torch.equal(ops.int8_linear(x[:5], q, w_scale, bias), expected[:5])
         # bfloat16 rows (a bfloat16 model's): the float32 result of their exact values, rounded
         # once, on every path.
@@ -279,9 +282,7 @@ def test_the_vnni_swiglu_is_silu_and_mul_of_the_exact_products(
     w_scale = torch.rand(n, generator=gen) / 50
     weight = Int8Weight.from_int8(q, w_scale, vnni=True)
     x = torch.randn(600, k, generator=gen) * 3
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for bias in (None, torch.randn(n, generator=gen)):
             expected = ops.silu_and_mul(exact_reference(x, q, w_scale, bias))
             for rows in (1, 5, 6, 7, 13, 70, 300, 512, 513, 600):
@@ -301,8 +302,6 @@ def test_the_vnni_swiglu_is_silu_and_mul_of_the_exact_products(
                 )
                 assert got16.dtype == torch.bfloat16, rows
                 assert torch.equal(got16, expected16[:rows]), rows
-    finally:
-        torch.set_num_threads(before)
     assert ops.int8_vnni_linear_silu_and_mul(x[:0], weight.q, weight.scale, None).shape == (
         0,
         intermediate,

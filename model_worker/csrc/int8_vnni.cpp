@@ -26,6 +26,7 @@
 #define RADIXSERVE_VNNI_SWIGLU 1
 #endif
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -34,6 +35,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "ops.h"
+#include "panel_tiles.h"
 #include "quantize_row.h"
 #include "vec_utils.h"
 
@@ -260,19 +262,19 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* ws = w_scale.data_ptr<float>();
   RADIXSERVE_DISPATCH_FLOAT(y, "int8_vnni_linear", [&] {
     scalar_t* yp = y.data_ptr<scalar_t>();
-    // Threads take blocks of output channels: each reads its part of the weight once.
-    at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t block = begin; block < end; ++block) {
-        for (int64_t m = 0; m < M; m += kRows) {
-          const Tile tile = tile_of(xq, wp, ws, bp, k_pad, N, m, block);
-          scalar_t* out = yp + m * N + block * kBlock;
-          with_tile_rows(M - m, [&](auto rows) {
-            vnni_tile<decltype(rows)::value>(tile, [out, N](int r, int64_t c, __mmask16 mask,
-                                                            __m512 v) {
-              store_outputs(out + r * N + c, mask, v);
-            });
+    // Threads take even runs of (block of output channels, tile of rows): each reads its part
+    // of the weight once.
+    for_panel_tiles(blocks, (M + kRows - 1) / kRows, [&](int64_t block, int64_t first,
+                                                          int64_t end) {
+      for (int64_t m = first * kRows; m < std::min(M, end * kRows); m += kRows) {
+        const Tile tile = tile_of(xq, wp, ws, bp, k_pad, N, m, block);
+        scalar_t* out = yp + m * N + block * kBlock;
+        with_tile_rows(M - m, [&](auto rows) {
+          vnni_tile<decltype(rows)::value>(tile, [out, N](int r, int64_t c, __mmask16 mask,
+                                                          __m512 v) {
+            store_outputs(out + r * N + c, mask, v);
           });
-        }
+        });
       }
     });
   });

@@ -15,10 +15,12 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
 #include "ops.h"
+#include "panel_tiles.h"
 #include "vec_utils.h"
 
 namespace radixserve {
@@ -148,10 +150,10 @@ inline void store_with_bias(__m512 sums, const at::BFloat16* bias, at::BFloat16*
 //
 // A panel at a time, and in it a block of k at a time, every tile of up to kTileRows rows
 // against that block, which stays in the cache across them (one tile: a decode of a few rows,
-// at memory speed); threads take panels, so each reads its part of the weight once (and, where
-// a layer has fewer panels than threads, groups of a panel's rows). A row's result depends on
-// neither the rows that came with it nor the threads. A tile's block sums stay in registers;
-// the totals of a group's rows in a buffer of the thread's.
+// at memory speed); threads take even runs of (panel, tile) (panel_tiles.h), so each reads its
+// part of the weight once. A row's result depends on neither the rows that came with it nor the
+// threads. A tile's block sums stay in registers; the totals of a thread's rows of a panel in a
+// buffer.
 constexpr int kTileRows = 6;
 
 template <int R, int Block>
@@ -197,30 +199,25 @@ void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
       &tile_times_bf16_panel_block<1, Block>, &tile_times_bf16_panel_block<2, Block>,
       &tile_times_bf16_panel_block<3, Block>, &tile_times_bf16_panel_block<4, Block>,
       &tile_times_bf16_panel_block<5, Block>, &tile_times_bf16_panel_block<6, Block>};
-  const int64_t num_panels = N / Block, tiles = (M + kTileRows - 1) / kTileRows;
-  const int64_t groups =
-      std::min(tiles, (at::get_num_threads() + num_panels - 1) / num_panels);  // per panel
-  const int64_t group_rows = (tiles + groups - 1) / groups * kTileRows;
-  at::parallel_for(0, num_panels * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> total(std::min(M, group_rows) * Block);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item / groups, m_begin = item % groups * group_rows;
-      const int64_t m_end = std::min(M, m_begin + group_rows);
-      const at::BFloat16* panel = panels + p * k_pairs * 2 * Block;
-      for (int64_t k0 = 0; k0 < k_pairs; k0 += block_pairs) {
-        const int64_t k1 = std::min(k_pairs, k0 + block_pairs);
-        for (int64_t m = m_begin; m < m_end; m += kTileRows) {
-          kTiles[std::min<int64_t>(kTileRows, m_end - m) - 1](
-              x_pairs + m * k_pairs, k_pairs, panel, k0, k1, k0 == 0,
-              total.data() + (m - m_begin) * Block);
-        }
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  for_panel_tiles(N / Block, tiles, [&](int64_t p, int64_t first_tile, int64_t end_tile) {
+    const int64_t m_begin = first_tile * kTileRows, m_end = std::min(M, end_tile * kTileRows);
+    // Written by each tile's first block of k before it is read: left uninitialised.
+    const std::unique_ptr<float[]> total(new float[(m_end - m_begin) * Block]);
+    const at::BFloat16* panel = panels + p * k_pairs * 2 * Block;
+    for (int64_t k0 = 0; k0 < k_pairs; k0 += block_pairs) {
+      const int64_t k1 = std::min(k_pairs, k0 + block_pairs);
+      for (int64_t m = m_begin; m < m_end; m += kTileRows) {
+        kTiles[std::min<int64_t>(kTileRows, m_end - m) - 1](
+            x_pairs + m * k_pairs, k_pairs, panel, k0, k1, k0 == 0,
+            total.get() + (m - m_begin) * Block);
       }
-      for (int64_t m = m_begin; m < m_end; ++m) {
-        for (int v = 0; v < Block / 16; ++v) {
-          store_with_bias(_mm512_loadu_ps(total.data() + (m - m_begin) * Block + v * 16),
-                          bias == nullptr ? nullptr : bias + p * Block + v * 16,
-                          y + m * N + p * Block + v * 16);
-        }
+    }
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      for (int v = 0; v < Block / 16; ++v) {
+        store_with_bias(_mm512_loadu_ps(total.get() + (m - m_begin) * Block + v * 16),
+                        bias == nullptr ? nullptr : bias + p * Block + v * 16,
+                        y + m * N + p * Block + v * 16);
       }
     }
   });
@@ -267,7 +264,7 @@ at::Tensor linear_panels_on(const at::Tensor& x, const PanelWeight& weight, int6
               "linear_panels: contiguous x [M, K] of the weight's K and dtype, float32 or "
               "bfloat16");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M >= 1, "linear_panels: at least one row");
+  TORCH_CHECK(M >= 1 && K >= 1, "linear_panels: at least one row and one column");
   TORCH_CHECK(M <= kMaxPanelRows || dtype == at::kBFloat16, "linear_panels: 1 to ",
               kMaxPanelRows, " rows in float32");
   // bfloat16 panels hold k in pairs: k_pad even
