@@ -54,32 +54,37 @@ inline void prefetch_row(const T* row, int64_t D) {
 }
 
 // A work unit's K and V rows (elements [offset, offset + row_elems) of each of its keys' slots)
-// fetched toward L2 a slice at a time, while the thread computes the unit before it: a decode's
-// rows come from memory (a step's K and V outgrow L3), and the unit's own 8-keys-ahead fetches
-// into L1 then find them in L2 instead of waiting on memory in a burst. Only the unit's first
-// kNextUnitBytes: more would evict its own first rows, and the current unit's, before their use.
-constexpr int64_t kNextUnitBytes = 256 * 1024;  // a quarter of a Zen 4 core's L2
+// fetched toward L2 while the thread computes the unit before it, in step with that unit's work:
+// a decode's rows come from memory (a step's K and V outgrow L3), and the unit's own
+// 8-keys-ahead fetches into L1 then find them in L2 instead of waiting on memory in a burst.
+// Only the unit's first kNextUnitBytes: with the fetch in step, the L2 holds about a unit's rows
+// at a time (the rest of the one in hand, the start of the next), so half of it.
+constexpr int64_t kNextUnitBytes = 512 * 1024;  // half a Zen 4 core's L2
 
 template <typename T>
 struct NextUnitRows {
   const T* k = nullptr;
   const T* v = nullptr;
   const int64_t* slots = nullptr;
-  int64_t keys = 0, heads = 0, offset = 0, row_elems = 0, head_size = 0;
-  int64_t done = 0, per_slice = 0;
+  int64_t heads = 0, offset = 0, row_elems = 0, head_size = 0;
+  int64_t keys = 0, fetched = 0;  // the keys to fetch (none: no next unit), those fetched
 
-  // Spreads the rows, up to kNextUnitBytes of them, over `slices` calls of fetch_slice.
-  void plan(int64_t slices) {
-    if (row_elems > 0) {
-      keys = std::min(keys, kNextUnitBytes / (2 * row_elems * static_cast<int64_t>(sizeof(T))));
-    }
-    per_slice = slices > 0 ? (keys + slices - 1) / slices : 0;
-  }
+  NextUnitRows(const T* k_pool, const T* v_pool) : k(k_pool), v(v_pool) {}
+  NextUnitRows(const T* k_pool, const T* v_pool, const int64_t* unit_slots, int64_t unit_keys,
+               int64_t pool_heads, int64_t pool_head_size, int64_t first_elem, int64_t elems)
+      : k(k_pool), v(v_pool), slots(unit_slots), heads(pool_heads), offset(first_elem),
+        row_elems(elems), head_size(pool_head_size),
+        keys(std::min(unit_keys, kNextUnitBytes / (2 * elems * static_cast<int64_t>(sizeof(T))))) {}
 
-  void fetch_slice() {
-    const int64_t end = std::min(keys, done + per_slice);
-    for (; done < end; ++done) {
-      const int64_t at = (slots[done] * heads) * head_size + offset;
+  // `done` of the unit in hand's `total` (any measure of its work, total > 0) done: the same
+  // share of these rows fetched. Called often, in small steps: a (block, head)'s share fetched
+  // at once queued its prefetches up on the memory, which stalled the thread (a decode of
+  // 64 x 200 from memory ran ~1.3x slower).
+  void fetch_due(int64_t done, int64_t total) {
+    if (fetched == keys) return;
+    const int64_t end = keys * std::min(done, total) / total;
+    for (; fetched < end; ++fetched) {
+      const int64_t at = (slots[fetched] * heads) * head_size + offset;
       for (int64_t e = 0; e < row_elems; e += 64 / sizeof(T)) {
         __builtin_prefetch(k + at + e, 0, 2);  // locality 2: prefetcht1 on x86
         __builtin_prefetch(v + at + e, 0, 2);
@@ -481,15 +486,12 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t w_next = lookahead ? next_work.fetch_add(1) : num_work;
       const Item& it = items[w / units_per_item];
       const int64_t h_begin = (w % units_per_item) * heads_per_unit;
-      NextUnitRows<T> next{kc, vc};
+      NextUnitRows<T> next(kc, vc);
       if (w_next < num_work) {
         const Item& nx = items[w_next / units_per_item];
-        next.slots = slots_all + nx.seq * L;
-        next.keys = prefix[nx.seq] + nx.q_end;
-        next.heads = Hkv;
-        next.head_size = D;
-        next.offset = (w_next % units_per_item) * heads_per_unit * D;
-        next.row_elems = heads_per_unit * D;
+        next = NextUnitRows<T>(kc, vc, slots_all + nx.seq * L, prefix[nx.seq] + nx.q_end, Hkv, D,
+                               (w_next % units_per_item) * heads_per_unit * D,
+                               heads_per_unit * D);
       }
       const int64_t R = (it.q_end - it.q_begin) * G;  // row r: token q_begin + r / G, head r % G
       // Past 64 elements a head, half the keys a block: a head's K and V rows of 64 keys and its
@@ -521,7 +523,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       std::fill(acc.begin(), acc.begin() + heads_per_unit * R * D, 0.f);
       const int64_t row_floats = heads_per_unit * D;  // what this unit reads of a slot's row
       const int64_t kv_end = prefix[it.seq] + it.q_end;
-      next.plan((kv_end + block_keys - 1) / block_keys * heads_per_unit);  // a slice a head-block
+      const int64_t unit_work = kv_end * heads_per_unit;  // keys x heads, for next.fetch_due
       for (int64_t j0 = 0; j0 < kv_end; j0 += block_keys) {
         const int64_t n = std::min(block_keys, kv_end - j0);
         const int64_t nchunks = (n + kLanes - 1) / kLanes;
@@ -536,11 +538,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
         for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
           float* acch = acc.data() + hh * R * D;
-          next.fetch_slice();
+          // The next unit's fetch, in step with this head-block's four quarters of work (packing
+          // chunk by chunk, scores, softmax, P x V): `part` of `parts` of it done.
+          const int64_t work_before = j0 * heads_per_unit + hh * n;
+          const auto fetch_due = [&](int64_t part, int64_t parts) {
+            next.fetch_due(work_before + n * part / parts, unit_work);
+          };
           for (int64_t c = 0; c < nchunks; ++c) {
             pack_key_chunk<P>(krows.data() + c * kLanes, hh * D,
                               std::min<int64_t>(kLanes, n - c * kLanes), E,
                               ktile.data() + c * E * kLanes);
+            fetch_due(c + 1, 4 * nchunks);
           }
           const bool widen_v = !std::is_same_v<T, float> && !kPairs && R > kRowGroup;
           for (int64_t j = 0; widen_v && j < n; ++j) {
@@ -567,6 +575,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               }
             });
           });
+          fetch_due(2, 4);
           for (int64_t r = 0; r < R; ++r) {
             const int64_t cnt = std::max<int64_t>(0, std::min(n, row_keys[r] - j0));
             float* s = scores.data() + r * kBlockKeys;
@@ -593,6 +602,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             m = new_max;
             if (rescale != 1.f) scale_inplace(acch + r * D, rescale, D);
           }
+          fetch_due(3, 4);
           for_row_groups(R, [&](auto rn, int64_t r0) {
             constexpr int RN = decltype(rn)::value;
             float* p = scores.data() + r0 * kBlockKeys;
@@ -610,6 +620,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               accumulate_rows<RN>(p, vrows.data(), hh * D, n, D, acch + r0 * D);
             }
           });
+          fetch_due(4, 4);
         }
       }
       for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
