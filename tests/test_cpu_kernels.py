@@ -335,24 +335,30 @@ def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone() -> None:
         k_block = p.k_block if k_block is None else k_block
         assert 0 < k_block < k  # several blocks
         flat = torch.randn(1 + 64 * k, generator=gen).to(BF16)
-        for rows in (*range(5, 10), 13, 64):
+        for rows in (*range(5, 10), 13, 19, 64):
             aligned = flat[: rows * k].view(rows, k)
             off = flat[1 : 1 + rows * k].view(rows, k)  # 2 bytes past the aligned start
             for x in (aligned, off):
                 for b in (None, bias):
-                    alone = [
-                        linear_panels(
-                            x[i : i + 1], packed.packed, 192, p.k_pad, p.block, k_block, b
-                        )
-                        for i in range(rows)
-                    ]
-                    # 2 and 4 threads split a panel's tiles between them (3 panels, 11 tiles)
+                    alone = torch.cat(
+                        [
+                            linear_panels(
+                                x[i : i + 1], packed.packed, 192, p.k_pad, p.block, k_block, b
+                            )
+                            for i in range(rows)
+                        ]
+                    )
+                    # 2 threads split a panel's tiles between them from 7 rows on, 4 at 19 and
+                    # 64; every result kept until compared, so that none is written into a
+                    # freed one that held the same values.
+                    many = []
                     for threads in (1, 2, 4):
                         with torch_threads(threads):
-                            many = linear_panels(
-                                x, packed.packed, 192, p.k_pad, p.block, k_block, b
+                            many.append(
+                                linear_panels(x, packed.packed, 192, p.k_pad, p.block, k_block, b)
                             )
-                        assert torch.equal(many, torch.cat(alone)), (rows, threads)
+                    for threads, got in zip((1, 2, 4), many, strict=True):
+                        assert torch.equal(got, alone), (rows, threads)
         if packed.panels is not None and k_block == p.k_block:  # and oneDNN's sum for these rows
             x = flat[: 64 * k].view(64, k)
             assert torch.equal(

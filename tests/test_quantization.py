@@ -249,9 +249,14 @@ def test_the_vnni_kernel_is_exact_at_odd_shapes(n: int, k: int) -> None:
     x = torch.randn(70, 2 * k, generator=gen)[:, :k] * 3  # rows 2K apart: not contiguous
     for bias in (None, torch.randn(n, generator=gen)):
         expected = exact_reference(x, q, w_scale, bias)
+        # 2 or 3 threads: a thread's tiles may start inside a block. Every result is kept until
+        # compared, so that none is written into a freed one that held the same values.
+        results = {}
         for rows, threads in itertools.product(range(1, 71), (1, 2, 3)):
-            with torch_threads(threads):  # 2 or 3: a thread's tiles may start inside a block
-                assert torch.equal(weight.matmul(x[:rows], bias), expected[:rows]), (rows, threads)
+            with torch_threads(threads):
+                results[rows, threads] = weight.matmul(x[:rows], bias)
+        for (rows, threads), got in results.items():
+            assert torch.equal(got, expected[:rows]), (rows, threads)
         assert torch.equal(ops.int8_linear(x[:5], q, w_scale, bias), expected[:5])
         # bfloat16 rows (a bfloat16 model's): the float32 result of their exact values, rounded
         # once, on every path.

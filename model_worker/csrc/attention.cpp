@@ -486,13 +486,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const int64_t w_next = lookahead ? next_work.fetch_add(1) : num_work;
       const Item& it = items[w / units_per_item];
       const int64_t h_begin = (w % units_per_item) * heads_per_unit;
-      NextUnitRows<T> next(kc, vc);
-      if (w_next < num_work) {
-        const Item& nx = items[w_next / units_per_item];
-        next = NextUnitRows<T>(kc, vc, slots_all + nx.seq * L, prefix[nx.seq] + nx.q_end, Hkv, D,
-                               (w_next % units_per_item) * heads_per_unit * D,
-                               heads_per_unit * D);
-      }
+      const Item* nx = w_next < num_work ? &items[w_next / units_per_item] : nullptr;
+      NextUnitRows<T> next =
+          nx == nullptr
+              ? NextUnitRows<T>(kc, vc)
+              : NextUnitRows<T>(kc, vc, slots_all + nx->seq * L, prefix[nx->seq] + nx->q_end,
+                                Hkv, D, (w_next % units_per_item) * heads_per_unit * D,
+                                heads_per_unit * D);
       const int64_t R = (it.q_end - it.q_begin) * G;  // row r: token q_begin + r / G, head r % G
       // Past 64 elements a head, half the keys a block: a head's K and V rows of 64 keys and its
       // packed keys outgrew L1 (a decode step of 64 at 32/8 x 128, slots in a row, ran ~20%
@@ -538,17 +538,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
         for (int64_t hh = 0; hh < heads_per_unit; ++hh) {
           float* acch = acc.data() + hh * R * D;
-          // The next unit's fetch, in step with this head-block's four quarters of work (packing
-          // chunk by chunk, scores, softmax, P x V): `part` of `parts` of it done.
+          // The next unit's fetch, in step with this head-block's four steps (packing chunk by
+          // chunk, scores, softmax, P x V), each counted as a quarter: `part` of `parts` done.
           const int64_t work_before = j0 * heads_per_unit + hh * n;
-          const auto fetch_due = [&](int64_t part, int64_t parts) {
+          const auto fetch_at = [&](int64_t part, int64_t parts) {
             next.fetch_due(work_before + n * part / parts, unit_work);
           };
           for (int64_t c = 0; c < nchunks; ++c) {
             pack_key_chunk<P>(krows.data() + c * kLanes, hh * D,
                               std::min<int64_t>(kLanes, n - c * kLanes), E,
                               ktile.data() + c * E * kLanes);
-            fetch_due(c + 1, 4 * nchunks);
+            fetch_at(c + 1, 4 * nchunks);
           }
           const bool widen_v = !std::is_same_v<T, float> && !kPairs && R > kRowGroup;
           for (int64_t j = 0; widen_v && j < n; ++j) {
@@ -575,7 +575,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               }
             });
           });
-          fetch_due(2, 4);
+          fetch_at(2, 4);
           for (int64_t r = 0; r < R; ++r) {
             const int64_t cnt = std::max<int64_t>(0, std::min(n, row_keys[r] - j0));
             float* s = scores.data() + r * kBlockKeys;
@@ -602,7 +602,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             m = new_max;
             if (rescale != 1.f) scale_inplace(acch + r * D, rescale, D);
           }
-          fetch_due(3, 4);
+          fetch_at(3, 4);
           for_row_groups(R, [&](auto rn, int64_t r0) {
             constexpr int RN = decltype(rn)::value;
             float* p = scores.data() + r0 * kBlockKeys;
@@ -620,7 +620,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               accumulate_rows<RN>(p, vrows.data(), hh * D, n, D, acch + r0 * D);
             }
           });
-          fetch_due(4, 4);
+          fetch_at(4, 4);
         }
       }
       for (int64_t hh = 0; hh < heads_per_unit; ++hh) {

@@ -264,9 +264,10 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
     scalar_t* yp = y.data_ptr<scalar_t>();
     // Threads take even runs of (block of output channels, tile of rows): each reads its part
     // of the weight once.
-    for_panel_tiles(blocks, (M + kRows - 1) / kRows, [&](int64_t block, int64_t first,
-                                                          int64_t end) {
-      for (int64_t m = first * kRows; m < std::min(M, end * kRows); m += kRows) {
+    for_panel_tiles(blocks, (M + kRows - 1) / kRows, [&](int64_t block, int64_t first_tile,
+                                                          int64_t end_tile) {
+      const int64_t m_end = std::min(M, end_tile * kRows);
+      for (int64_t m = first_tile * kRows; m < m_end; m += kRows) {
         const Tile tile = tile_of(xq, wp, ws, bp, k_pad, N, m, block);
         scalar_t* out = yp + m * N + block * kBlock;
         with_tile_rows(M - m, [&](auto rows) {

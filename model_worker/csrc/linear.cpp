@@ -202,7 +202,8 @@ void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   for_panel_tiles(N / Block, tiles, [&](int64_t p, int64_t first_tile, int64_t end_tile) {
     const int64_t m_begin = first_tile * kTileRows, m_end = std::min(M, end_tile * kTileRows);
-    // Written by each tile's first block of k before it is read: left uninitialised.
+    // Written by each tile's first block of k (k_pairs >= 1: linear_panels_on checks K) before
+    // it is read: left uninitialised.
     const std::unique_ptr<float[]> total(new float[(m_end - m_begin) * Block]);
     const at::BFloat16* panel = panels + p * k_pairs * 2 * Block;
     for (int64_t k0 = 0; k0 < k_pairs; k0 += block_pairs) {
