@@ -71,6 +71,7 @@ struct Tile {
   const float* w_scale;  // the block's first channel
   const float* bias;     // likewise, or nullptr
   int64_t k_pad, channels;  // channels: to emit, at most kBlock
+  FetchLines fetch;         // the thread's next block, a share of it (panel_tiles.h)
 };
 
 inline int32_t load_i32(const int8_t* p) {
@@ -106,6 +107,7 @@ __attribute__((noinline)) void vnni_tile(const Tile& t, const Emit& emit) {
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
   for (int64_t k = 0; k < t.k_pad; k += kGroup) {
+    t.fetch.at(k / kGroup);
     __m512i w[V];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(t.w + k * kBlock + v * 64);
@@ -265,10 +267,13 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
     // Threads take even runs of (block of output channels, tile of rows): each reads its part
     // of the weight once.
     for_panel_tiles(blocks, (M + kRows - 1) / kRows, [&](int64_t block, int64_t first_tile,
-                                                          int64_t end_tile) {
+                                                          int64_t end_tile, bool more) {
       const int64_t m_end = std::min(M, end_tile * kRows);
+      const uint8_t* next = more ? wp + (block + 1) * k_pad * kBlock : nullptr;
+      NextPanelFetch fetch(next, k_pad * kBlock, end_tile - first_tile, k_pad / kGroup);
       for (int64_t m = first_tile * kRows; m < m_end; m += kRows) {
-        const Tile tile = tile_of(xq, wp, ws, bp, k_pad, N, m, block);
+        Tile tile = tile_of(xq, wp, ws, bp, k_pad, N, m, block);
+        tile.fetch = fetch.take(k_pad / kGroup);
         scalar_t* out = yp + m * N + block * kBlock;
         with_tile_rows(M - m, [&](auto rows) {
           vnni_tile<decltype(rows)::value>(tile, [out, N](int r, int64_t c, __mmask16 mask,
@@ -360,12 +365,20 @@ at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& 
           for (const auto& [offset, outputs] : {std::pair{int64_t{0}, gate.get()},
                                                 std::pair{up_blocks, up.get()}}) {
             for (int64_t block = first; block < last; ++block) {
+              // The thread's next block: this half's next, up's first, the next chunk's first.
+              const int64_t next = block + 1 < last ? block + 1 + offset
+                                   : offset == 0    ? first + up_blocks
+                                   : last < end     ? last
+                                                    : -1;
+              NextPanelFetch fetch(next < 0 ? nullptr : wp + next * k_pad * kBlock,
+                                   k_pad * kBlock, (M + kRows - 1) / kRows, k_pad / kGroup);
               for (int64_t m = 0; m < M; m += kRows) {
                 float* dst = outputs + m * stride + (block - first) * kBlock;
+                Tile tile = tile_of(xq, wp, ws, bp, k_pad, N, m, block + offset);
+                tile.fetch = fetch.take(k_pad / kGroup);
                 with_tile_rows(M - m, [&](auto rows) {
                   vnni_tile<decltype(rows)::value>(
-                      tile_of(xq, wp, ws, bp, k_pad, N, m, block + offset),
-                      [dst, stride](int r, int64_t c, __mmask16, __m512 v) {
+                      tile, [dst, stride](int r, int64_t c, __mmask16, __m512 v) {
                         _mm512_storeu_ps(dst + r * stride + c, v);
                       });
                 });
