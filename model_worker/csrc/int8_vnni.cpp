@@ -106,8 +106,8 @@ __attribute__((noinline)) void vnni_tile(const Tile& t, const Emit& emit) {
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < t.k_pad; k += kGroup) {
-    t.fetch.at(k / kGroup);
+  for (int64_t k = 0, i = 0; k < t.k_pad; k += kGroup, ++i) {
+    t.fetch.fetch_at(i);
     __m512i w[V];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(t.w + k * kBlock + v * 64);
@@ -270,10 +270,11 @@ at::Tensor int8_vnni_linear(const at::Tensor& x, const at::Tensor& packed,
                                                           int64_t end_tile, bool more) {
       const int64_t m_end = std::min(M, end_tile * kRows);
       const uint8_t* next = more ? wp + (block + 1) * k_pad * kBlock : nullptr;
-      NextPanelFetch fetch(next, k_pad * kBlock, end_tile - first_tile, k_pad / kGroup);
+      NextPanelFetch fetch(next, k_pad * kBlock, end_tile - first_tile, k_pad / kGroup,
+                           fetched_panel_bytes());
       for (int64_t m = first_tile * kRows; m < m_end; m += kRows) {
         Tile tile = tile_of(xq, wp, ws, bp, k_pad, N, m, block);
-        tile.fetch = fetch.take(k_pad / kGroup);
+        tile.fetch = fetch.for_tile(k_pad / kGroup);
         scalar_t* out = yp + m * N + block * kBlock;
         with_tile_rows(M - m, [&](auto rows) {
           vnni_tile<decltype(rows)::value>(tile, [out, N](int r, int64_t c, __mmask16 mask,
@@ -370,12 +371,15 @@ at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& 
                                    : offset == 0    ? first + up_blocks
                                    : last < end     ? last
                                                     : -1;
+              // Up to 512 KB of outputs wait in L2 as well (kRunFloats): blocks up to an
+              // eighth of it fetched.
               NextPanelFetch fetch(next < 0 ? nullptr : wp + next * k_pad * kBlock,
-                                   k_pad * kBlock, (M + kRows - 1) / kRows, k_pad / kGroup);
+                                   k_pad * kBlock, (M + kRows - 1) / kRows, k_pad / kGroup,
+                                   l2_cache_bytes() / 8);
               for (int64_t m = 0; m < M; m += kRows) {
                 float* dst = outputs + m * stride + (block - first) * kBlock;
                 Tile tile = tile_of(xq, wp, ws, bp, k_pad, N, m, block + offset);
-                tile.fetch = fetch.take(k_pad / kGroup);
+                tile.fetch = fetch.for_tile(k_pad / kGroup);
                 with_tile_rows(M - m, [&](auto rows) {
                   vnni_tile<decltype(rows)::value>(
                       tile, [dst, stride](int r, int64_t c, __mmask16, __m512 v) {

@@ -159,7 +159,7 @@ constexpr int kTileRows = 6;
 template <int R, int Block>
 void tile_times_bf16_panel_block(const uint32_t* x_pairs, int64_t x_stride,
                                  const at::BFloat16* panel, int64_t k0, int64_t k1, bool first,
-                                 float* total, const FetchLines& fetch) {
+                                 float* total, FetchLines fetch) {
   constexpr int kVecs = Block / 16;
   __m512 acc[R][kVecs];
 #pragma GCC unroll 8
@@ -168,7 +168,7 @@ void tile_times_bf16_panel_block(const uint32_t* x_pairs, int64_t x_stride,
     for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
   }
   for (int64_t kp = k0; kp < k1; ++kp) {
-    fetch.at(kp - k0);
+    fetch.fetch_at(kp - k0);
     const at::BFloat16* wk = panel + kp * 2 * Block;
     __m512bh wv[kVecs];
 #pragma GCC unroll 4
@@ -195,7 +195,7 @@ void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
                             const at::BFloat16* bias, at::BFloat16* y, int64_t M, int64_t k_pairs,
                             int64_t block_pairs, int64_t N) {
   using TileFn = void (*)(const uint32_t*, int64_t, const at::BFloat16*, int64_t, int64_t, bool,
-                          float*, const FetchLines&);
+                          float*, FetchLines);
   static constexpr TileFn kTiles[kTileRows] = {
       &tile_times_bf16_panel_block<1, Block>, &tile_times_bf16_panel_block<2, Block>,
       &tile_times_bf16_panel_block<3, Block>, &tile_times_bf16_panel_block<4, Block>,
@@ -211,13 +211,13 @@ void rows_times_bf16_panels(const uint32_t* x_pairs, const at::BFloat16* panels,
     const at::BFloat16* panel = panels + p * panel_elems;
     NextPanelFetch fetch(more ? panel + panel_elems : nullptr,
                          panel_elems * static_cast<int64_t>(sizeof(at::BFloat16)),
-                         end_tile - first_tile, k_pairs);
+                         end_tile - first_tile, k_pairs, fetched_panel_bytes());
     for (int64_t k0 = 0; k0 < k_pairs; k0 += block_pairs) {
       const int64_t k1 = std::min(k_pairs, k0 + block_pairs);
       for (int64_t m = m_begin; m < m_end; m += kTileRows) {
         kTiles[std::min<int64_t>(kTileRows, m_end - m) - 1](
             x_pairs + m * k_pairs, k_pairs, panel, k0, k1, k0 == 0,
-            total.get() + (m - m_begin) * Block, fetch.take(k1 - k0));
+            total.get() + (m - m_begin) * Block, fetch.for_tile(k1 - k0));
       }
     }
     for (int64_t m = m_begin; m < m_end; ++m) {
