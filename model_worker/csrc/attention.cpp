@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache_size.h"
 #include "ops.h"
 #include "vec_utils.h"
 
@@ -57,9 +58,10 @@ inline void prefetch_row(const T* row, int64_t D) {
 // fetched toward L2 while the thread computes the unit before it, in step with that unit's work:
 // a decode's rows come from memory (a step's K and V outgrow L3), and the unit's own
 // 8-keys-ahead fetches into L1 then find them in L2 instead of waiting on memory in a burst.
-// Only the unit's first kNextUnitBytes: with the fetch in step, the L2 holds about a unit's rows
-// at a time (the rest of the one in hand, the start of the next), so half of it.
-constexpr int64_t kNextUnitBytes = 512 * 1024;  // half a Zen 4 core's L2
+// Only the unit's first next_unit_bytes(): with the fetch in step, the L2 holds about a unit's
+// rows at a time (the rest of the one in hand, the start of the next), so half of it (512 KB on
+// a Zen 4 core).
+inline int64_t next_unit_bytes() { return l2_cache_bytes() / 2; }
 
 template <typename T>
 struct NextUnitRows {
@@ -74,7 +76,8 @@ struct NextUnitRows {
                int64_t pool_heads, int64_t pool_head_size, int64_t first_elem, int64_t elems)
       : k(k_pool), v(v_pool), slots(unit_slots), heads(pool_heads), offset(first_elem),
         row_elems(elems), head_size(pool_head_size),
-        keys(std::min(unit_keys, kNextUnitBytes / (2 * elems * static_cast<int64_t>(sizeof(T))))) {}
+        keys(std::min(unit_keys,
+                      next_unit_bytes() / (2 * elems * static_cast<int64_t>(sizeof(T))))) {}
 
   // `done` of the unit in hand's `total` (any measure of its work, total > 0) done: the same
   // share of these rows fetched. Called often, in small steps: a (block, head)'s share fetched

@@ -3,12 +3,12 @@
 // next panel while it computes one.
 #pragma once
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdint>
 
 #include <ATen/Parallel.h>
+
+#include "cache_size.h"
 
 namespace radixserve {
 
@@ -29,18 +29,6 @@ void for_panel_tiles(int64_t panels, int64_t tiles, const F& f) {
       f(panel, first, last, unit < end);
     }
   });
-}
-
-// A core's L2 cache in bytes, as the C library reports it (1 MB where it does not).
-inline int64_t l2_cache_bytes() {
-  static const int64_t bytes = [] {
-    long reported = 0;
-#if defined(_SC_LEVEL2_CACHE_SIZE)
-    reported = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-    return reported > 0 ? static_cast<int64_t>(reported) : int64_t{1} << 20;
-  }();
-  return bytes;
 }
 
 // The largest panel whose next a linear fetches: two of them in 4/5 of the L2, the rest for the
