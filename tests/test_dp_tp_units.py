@@ -151,7 +151,7 @@ def test_each_model_process_of_a_node_gets_its_own_gpu_or_a_refusal_in_words(mon
     was NCCL's "Duplicate GPU detected" on a one-GPU H100 box, 2026-11-27, and `--device cuda`
     with none a ZeroDivisionError. (A scheduler's ValueError at start reaches the launcher's log
     as one line: test_launch.py.)"""
-    from radixserve.scheduler.process import _rank_gpu
+    from radixserve.scheduler.rank_setup import _rank_gpu
 
     def gpus(visible: int, device: str = "cuda", **flags: object) -> list[int | None]:
         monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)

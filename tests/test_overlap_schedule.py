@@ -19,7 +19,7 @@ from radixserve.client.local_server import launched_server
 from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.future_map import FutureMap
 from radixserve.model_worker.penalties import apply_penalties
-from radixserve.scheduler.process import overlap_schedule
+from radixserve.scheduler.rank_setup import overlap_schedule
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
 from radixserve.server_args import ServerArgs
