@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 
 from radixserve.model_worker.attention import AttentionBackend
-from radixserve.model_worker.cpu_kernels import load_cpu_kernels
+from radixserve.model_worker.cpu_kernels import require_cpu_kernels
 from radixserve.model_worker.forward_batch import ForwardBatch
 
 
 class CpuAttnBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int):
-        load_cpu_kernels()
+        require_cpu_kernels("cpu_attn")
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self._paged_attention = torch.ops.radixserve.paged_attention.default
 

@@ -72,10 +72,24 @@ def _warn_once(message: str) -> None:
 
 def load_cpu_kernels() -> None:
     """Load the extension, building it first if this environment has no build; raises
-    KernelBuildError (the same one on every later call: a failed build is not retried)."""
+    KernelBuildError (the same one on every later call: a failed build is not retried). A
+    server loads it where it chooses its kernels (kernel_selection, check_quantization), once,
+    before it builds a model."""
     outcome = _load_once()
     if isinstance(outcome, KernelBuildError):
         raise outcome
+
+
+def cpu_kernels_loaded() -> bool:
+    """Whether the extension is loaded; never builds it."""
+    return _load_once.cache_info().currsize == 1 and _load_once() is None
+
+
+def require_cpu_kernels(what: str) -> None:
+    """For code that runs the extension but must not start a build (converting or sizing a
+    weight): a build belongs to the choice of kernels, not to a constructor."""
+    if not cpu_kernels_loaded():
+        raise KernelBuildError(f"{what} needs the CPU extension, and it is not loaded")
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.model_worker.cpu_kernels import load_cpu_kernels
+from radixserve.model_worker.cpu_kernels import require_cpu_kernels
 from radixserve.model_worker.forward_batch import ForwardBatch
 from radixserve.model_worker.fused_ops import small_kernel_rows
 from radixserve.model_worker.packed_linear import PackedWeight, Panels
@@ -25,7 +25,7 @@ def linear_kernel(
 ) -> torch.ScriptObject:
     """A linear layer as the extension's `Linear`: its weights, and the row count below which it
     runs the extension's own kernel, as CpuKernelOps.linear chooses."""
-    load_cpu_kernels()
+    require_cpu_kernels("a fused linear layer")
     linear = torch.classes.radixserve.Linear
     small_rows = small_kernel_rows(weight)
     if isinstance(weight, Int8Weight):
@@ -44,7 +44,7 @@ class FusedDecoderLayers:
     """One model's layers, added in order by the model."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float):
-        load_cpu_kernels()
+        require_cpu_kernels("fused decoder layers")
         self._layers = torch.classes.radixserve.DecoderLayers(
             num_heads, num_kv_heads, head_dim, eps, scale
         )

@@ -22,7 +22,7 @@ from radixserve.model_worker.attention import (
 )
 from radixserve.model_worker.cpu_attention import CpuAttnBackend
 from radixserve.model_worker.cpu_features import has_native_bf16
-from radixserve.model_worker.cpu_kernels import cpu_kernels_available
+from radixserve.model_worker.cpu_kernels import cpu_kernels_available, load_cpu_kernels
 from radixserve.model_worker.fused_ops import CpuKernelOps, TorchOps
 
 ATTENTION_BACKENDS = ("auto", "torch_native", "cpu_attn")
@@ -49,6 +49,7 @@ def select_kernels(
         return Kernels(name, TorchNativeBackend(num_heads, num_kv_heads, bucket), TorchOps())
     if why_not is not None:
         raise ValueError(f"--attention-backend cpu_attn: {why_not}")
+    load_cpu_kernels()  # built here, before the model, if this environment has no build yet
     return Kernels(name, CpuAttnBackend(num_heads, num_kv_heads), CpuKernelOps())
 
 

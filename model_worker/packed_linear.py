@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from radixserve.model_worker.cpu_features import has_amx_bf16, has_avx512_bf16
-from radixserve.model_worker.cpu_kernels import KernelBuildError, load_cpu_kernels
+from radixserve.model_worker.cpu_kernels import cpu_kernels_loaded
 
 
 def onednn_packing_available() -> bool:
@@ -104,10 +104,9 @@ def find_panels(weight: torch.Tensor, packed: torch.Tensor) -> Panels | None:
     """The panels `packed` holds `weight` [N, K] in, if it does (oneDNN's choice depends on the
     CPU, the shape and the dtype): checked against the weight's every value bit for bit, and the
     padding past K as zeros (the extension's panels_hold, at memory speed), so linear_panels
-    reads only a layout proven to be this one. None without the extension, which reads them."""
-    try:
-        load_cpu_kernels()
-    except KernelBuildError:
+    reads only a layout proven to be this one. None where the extension, which reads them, is not
+    loaded (kernel_selection loads it before a model is built)."""
+    if not cpu_kernels_loaded():
         return None
     n, _ = weight.shape
     size = weight.element_size()
@@ -140,10 +139,6 @@ _SUM_BLOCKS: dict[tuple[int, int, torch.dtype, Panels, int], int | None] = {}
 
 
 def _probe_sum_blocks(packed: torch.Tensor, panels: Panels) -> int | None:
-    try:
-        load_cpu_kernels()
-    except KernelBuildError:
-        return None
     n, k = packed.shape
     low, high = _PROBE_ROWS
     rows = max(low, min(high, -(-_PROBE_OUTPUTS // n)))

@@ -28,7 +28,11 @@ from radixserve.model_worker.cpu_features import (
     has_avx512_vnni,
     has_int8_dot_products,
 )
-from radixserve.model_worker.cpu_kernels import KernelBuildError, load_cpu_kernels
+from radixserve.model_worker.cpu_kernels import (
+    KernelBuildError,
+    load_cpu_kernels,
+    require_cpu_kernels,
+)
 
 QUANTIZATION_METHODS = ("int8",)
 
@@ -53,7 +57,7 @@ def int8_small_rows() -> int:
 def vnni_kernel_available() -> bool:
     """Whether int8_vnni.cpp's kernel runs here: the CPU has AVX512-VNNI and the extension was
     built with it (it is built for the CPU it runs on)."""
-    load_cpu_kernels()
+    require_cpu_kernels("int8_vnni")
     return has_avx512_vnni() and bool(torch.ops.radixserve.int8_vnni_available())
 
 
@@ -107,7 +111,7 @@ class Int8Weight:
     def _allocate(self, rows: int, cols: int, device: torch.device, vnni: bool | None) -> None:
         if device.type != "cpu":
             raise ValueError("--quantization int8 runs on the CPU only")
-        load_cpu_kernels()  # its ops quantize, multiply and rescale
+        require_cpu_kernels("an int8 weight")  # its ops quantize, multiply and rescale
         self.vnni = vnni_layout_available() if vnni is None else vnni
         if self.vnni:
             self.q = torch.empty(_vnni_shape(rows, cols), dtype=torch.uint8)

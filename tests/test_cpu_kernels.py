@@ -310,7 +310,7 @@ def test_linear_panels_reads_the_weight_onednn_keeps(kernel_ops, dtype) -> None:
 
 
 @pytest.mark.skipif(not has_avx512_bf16(), reason="linear_panels takes bfloat16 on AVX512-BF16")
-def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone() -> None:
+def test_linear_panels_in_bfloat16_gives_each_row_what_it_gets_alone(kernel_ops) -> None:
     """bfloat16 rows through linear_panels in tiles (of 6, and a last one of each smaller size;
     several blocks of k, each summed from zero and added to the total, as oneDNN sums a wide input)
     equal, to the bit, each row computed alone: whatever the batch, the threads (which may split a
