@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import typing
 from typing import NoReturn
 
@@ -39,9 +40,9 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     random_seed: int = 0
     sampling_defaults: str = "model"  # model: generation_config.json fills what a request omits
     num_threads: int | None = None  # threads of each model process; default: cores / processes
-    attention_backend: str = "auto"  # auto | torch_native | cpu_attn
+    kernels: str = "auto"  # auto | torch_native | cpu_extension
     quantization: str | None = None  # None | int8
-    disable_fused_layers: bool = False  # run cpu_attn's decoder layers as modules, op by op
+    disable_fused_layers: bool = False  # run cpu_extension's decoder layers as modules, op by op
     tp_size: int = 1  # tensor-parallel ranks, one scheduler process each
     dp_size: int = 1  # data-parallel replicas, each of --tp-size ranks
     load_balance_method: str = "round_robin"  # round_robin | cache_aware
@@ -160,13 +161,14 @@ _HELP = {
     "node_rank": "this machine's rank among --nnodes; node 0 serves the clients",
     "dist_init_addr": "host:port where the TP ranks meet (node 0's address; replica i uses port + "
     "i); needed with --nnodes above 1 (default: a free port on 127.0.0.1)",
-    "attention_backend": "cpu_attn: the CPU extension (paged attention reading the KV pool in "
-    "place, fused small ops), float32 on the CPU, and bfloat16 where the CPU has it in hardware; "
-    "torch_native: eager torch, the reference; auto: "
-    "cpu_attn where it applies and builds, else torch_native",
+    "kernels": "what runs the whole forward (attention, linear layers, norms): cpu_extension: "
+    "the CPU extension (paged attention reading the KV pool in place, fused small ops, its own "
+    "linears for a few rows), float32 on the CPU, and bfloat16 where the CPU has it in hardware; "
+    "torch_native: eager torch, the reference, any device; auto: "
+    "cpu_extension where it applies and builds, else torch_native",
     "quantization": "int8: int8 weights and per-token int8 activations (w8a8) for every linear "
     "layer and the LM head, on the CPU (default: none)",
-    "disable_fused_layers": "with cpu_attn on one rank, run the decoder layers as Python "
+    "disable_fused_layers": "with cpu_extension on one rank, run the decoder layers as Python "
     "modules, one op at a time, instead of all in one call of the CPU extension (the same "
     "kernels, the same results)",
     "enable_overlap_schedule": "overlap on the CPU too: plan step N+1 (and process step N-1) "
@@ -230,7 +232,7 @@ _CHOICES = {
     "schedule_policy": ("fcfs", "lpm"),
     "speculative_algorithm": ("NGRAM", "STANDALONE"),
     "sampling_defaults": ("model", "openai"),
-    "attention_backend": ("auto", "torch_native", "cpu_attn"),
+    "kernels": ("auto", "torch_native", "cpu_extension"),
     "quantization": ("int8",),
     "load_balance_method": ("round_robin", "cache_aware"),
     "log_level": ("debug", "info", "warning", "error"),
@@ -406,9 +408,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags renamed since a release: the old spelling is refused with the new one named.
+_RENAMED_FLAGS = {
+    "--attention-backend": "--kernels (it picks every kernel of the forward, not attention's "
+    "alone; cpu_attn is cpu_extension)",
+}
+
+
 def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     """The flags, checked: a mistake exits with argparse's one-line error and code 2."""
     parser = build_parser()
+    for arg in sys.argv[1:] if argv is None else argv:
+        flag = arg.split("=", 1)[0]
+        if flag in _RENAMED_FLAGS:
+            parser.error(f"{flag} is now {_RENAMED_FLAGS[flag]}")
     args = ServerArgs(**vars(parser.parse_args(argv)))
     if args.api_key is None and API_KEY_ENV in os.environ:
         args = msgspec.structs.replace(args, api_key=os.environ[API_KEY_ENV])

@@ -3,8 +3,8 @@ configuration against torch_native float32 (the reference), and their step times
 
     python benchmarks/bench_backends.py [--prompts 32 --new-tokens 64 --batch 64 --steps 20]
 
-Configurations: `--attention-backend torch_native`, `cpu_attn` with its layers run as modules
-op by op (`--disable-fused-layers`) and in one call (the default), and `cpu_attn` with
+Configurations: `--kernels torch_native`, `cpu_extension` with its layers run as modules
+op by op (`--disable-fused-layers`) and in one call (the default), and `cpu_extension` with
 `--quantization int8`. Accuracy, on 32 chat prompts: the greedy continuations (64 tokens)
 compared with the reference's, and, teacher-forced on the reference's continuation, how often
 each configuration's argmax is the reference's token (greedy agreement) and the mean |Δ logprob|
@@ -29,12 +29,12 @@ from radixserve.model_worker.model_source import resolve_model_path
 from radixserve.model_worker.parallel import TPGroup
 from radixserve.process_setup import keep_freed_memory
 
-# name: (attention backend, quantization, fused layers)
+# name: (kernels, quantization, fused layers)
 CONFIGS = {
     "torch_native": ("torch_native", None, False),
-    "cpu_attn, modules": ("cpu_attn", None, False),
-    "cpu_attn": ("cpu_attn", None, True),
-    "cpu_attn + int8": ("cpu_attn", "int8", True),
+    "cpu_extension, modules": ("cpu_extension", None, False),
+    "cpu_extension": ("cpu_extension", None, True),
+    "cpu_extension + int8": ("cpu_extension", "int8", True),
 }
 TOPICS = ["the moon", "bread", "a bicycle", "rain", "chess", "the ocean", "music", "a library"]
 ASKS = [
@@ -187,7 +187,7 @@ def main() -> None:
             mem_fraction_static=0.0,
             tp=TPGroup(),
             seed=0,
-            attention_backend=backend,
+            kernels=backend,
             quantization=quantization,
             fused_layers=fused,
         )

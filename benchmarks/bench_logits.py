@@ -7,7 +7,7 @@ it until the next tokens, the pieces taking turns so that a shared machine's loa
 For --batch rows of random hidden states: the LM head as the model computes it (its matmul, the
 logits in the model's dtype), the float32 conversion alone (what a step that samples adds; a
 greedy step skips it), the greedy argmax with torch.argmax and with the model's ops' (the CPU
-extension's kernel with cpu_attn) on the float32 logits, that kernel on the model-dtype logits
+extension's kernel with cpu_extension) on the float32 logits, that kernel on the model-dtype logits
 (what a greedy step runs), and the sampling path of temperature 0.8 / top_p 0.95 rows. Prints
 each piece's median and its ratio to the head, and the ratio of the two argmaxes.
 """
@@ -56,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--backend", default="cpu_attn")
+    parser.add_argument("--kernels", default="cpu_extension")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
@@ -70,7 +70,7 @@ def main() -> None:
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        attention_backend=args.backend,
+        kernels=args.kernels,
     )
     model = runner.model
     hidden = torch.randn(args.batch, runner.model_config.hidden_size).to(dtype)
@@ -101,7 +101,7 @@ def main() -> None:
     head = medians["LM head (matmul)"]
     print(
         f"{args.model}: vocab {runner.model_config.vocab_size}, {args.batch} rows, {args.dtype}, "
-        f"{runner.attention_backend}, {args.repeats} interleaved repeats, threads "
+        f"{runner.kernels_name}, {args.repeats} interleaved repeats, threads "
         f"{torch.get_num_threads()}"
     )
     print(f"  {'piece':36s} {'median ms':>10s} {'/ LM head':>10s}")

@@ -10,8 +10,8 @@ int8 kernels alone.
 float32 is the default dtype on CPUs without bfloat16; bfloat16 reads its panels with
 AVX512-BF16's vdpbf16ps where there is no AMX (elsewhere it stays on oneDNN, and both
 configurations are the same).
-Both run cpu_attn with every decoder layer in one call (the default): the model's decoder layers
-are fused twice over the same weights (`fuse_layers` with fused_ops.PANEL_ROWS and
+Both run cpu_extension with every decoder layer in one call (the default): the model's decoder
+layers are fused twice over the same weights (`fuse_layers` with fused_ops.PANEL_ROWS and
 BF16_PANEL_ROWS as served, then both 0) and the step swaps them, with both set to match for the
 LM head; each configuration
 decodes its own copy of the sequence in the pool. Prints the median step of each and the median
@@ -88,10 +88,10 @@ def main() -> None:
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        attention_backend="cpu_attn",
+        kernels="cpu_extension",
         quantization=args.quantization,
     )
-    assert runner.fused_layers, "cpu_attn on one rank fuses the decoder layers"
+    assert runner.fused_layers, "cpu_extension on one rank fuses the decoder layers"
     layers = runner.model.model
     fused = {}
     for name, panel_rows in configs.items():

@@ -1,5 +1,5 @@
 """Overlap scheduling on and off: two servers on the same model, taking turns in one run (or,
-with --compare fused-layers, cpu_attn's decoder layers in one call and as modules op by op).
+with --compare fused-layers, cpu_extension's decoder layers in one call and as modules op by op).
 
     python benchmarks/bench_overlap.py [--rounds 3 --num-requests 64 --input-len 128
                                         --output-len 128 --latency-requests 8]

@@ -2,7 +2,7 @@
 
     python benchmarks/bf16_row_invariance.py [--model SmolLM2-135M-Instruct]
 
-1. Per linear layer of the model (oneDNN on the packed weight, as cpu_attn runs it): the call
+1. Per linear layer of the model (oneDNN on the packed weight, as cpu_extension runs it): the call
    sizes M whose rows are not bit for bit what each row gives alone. Each row's result depends
    on M only, never on the other rows' values; on the 2-core EPYC (avx512_core_bf16, 2026-11-25)
    only layers with an input wider than 1024 (down_proj, 1536) depend on it: M <= 6 sums the
@@ -11,7 +11,7 @@
 2. The target's logits of the same positions decoded one row at a time and verified as one
    extend of 7 rows (the modules op by op): different, and the same bit for bit once every
    matmul of fewer than 8 rows on such a layer is computed as 8 rows (zero padding). Attention
-   (cpu_attn, decode against extend) adds no difference.
+   (cpu_extension, decode against extend) adds no difference.
 3. What that padding would cost: down_proj at 1 and at 8 rows, the best of many calls. Measure it
    on an idle machine before changing any kernel (packed_linear.py and the fused layers'
    onednn_linear in csrc/decoder.cpp would both pad).

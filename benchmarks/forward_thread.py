@@ -3,8 +3,8 @@
     python benchmarks/forward_thread.py [--batch 1] [--rounds 3]
 
 Overlap scheduling launches each forward from a worker thread; this measures what that costs
-on the CPU by itself, with nothing else running beside it (the default model, float32, cpu_attn,
-decoding from context 128; median of 10 steps per turn).
+on the CPU by itself, with nothing else running beside it (the default model, float32,
+cpu_extension, decoding from context 128; median of 10 steps per turn).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        attention_backend="cpu_attn",
+        kernels="cpu_extension",
     )
     rows = list(range(args.batch))
     seqs = Seqs([list(p) for p in make_prompts(args.batch, 128, 49152)], [0] * args.batch, 4096)

@@ -4,18 +4,18 @@ model (--model), in this process.
 
     python benchmarks/profile_step.py [--model /work/models/qwen2-0.5b] [--dtype bfloat16]
                                       [--batch 64 --prefill-batch 16 --steps 5]
-                                      [--backend cpu_attn] [--quantization int8]
+                                      [--kernels cpu_extension] [--quantization int8]
                                       [--disable-fused-layers] [--device cuda]
 
 Prints the wall time of a step, the op categories' self CPU time (matmuls, attention and its KV
 gather, the small ops; on a GPU the CUDA runtime's launches and syncs), what the ops leave
-unaccounted (Python and dispatch between ops), and the top ops. With cpu_attn the decoder layers run
-in one call of the extension, which calls its kernels without the dispatcher: the profiler then sees
-only the ops around them and the aten ops inside, so the categories say where a step goes only with
---disable-fused-layers; the step time is right either way, and so is the time without the profiler,
-printed first. On a GPU (`--device cuda`, `--backend auto`) it also prints how long the GPU was busy
-per step and with how many kernels: a step much longer than that is bound by the host (Python,
-launches, syncs).
+unaccounted (Python and dispatch between ops), and the top ops. With cpu_extension the decoder
+layers run in one call of the extension, which calls its kernels without the dispatcher: the
+profiler then sees only the ops around them and the aten ops inside, so the categories say where a
+step goes only with --disable-fused-layers; the step time is right either way, and so is the time
+without the profiler, printed first. On a GPU (`--device cuda`, `--kernels auto`) it also prints
+how long the GPU was busy per step and with how many kernels: a step much longer than that is
+bound by the host (Python, launches, syncs).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def profile(step: Step, runner: ModelRunner, seqs: Seqs, rows: list[int], steps:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--backend", default="cpu_attn")
+    parser.add_argument("--kernels", default="cpu_extension")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--batch", type=int, default=64)
@@ -154,12 +154,12 @@ def main() -> None:
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        attention_backend=args.backend,
+        kernels=args.kernels,
         quantization=args.quantization,
         fused_layers=not args.disable_fused_layers,
     )
     print(
-        f"{runner.attention_backend}, {args.dtype}, quantization {args.quantization}, "
+        f"{runner.kernels_name}, {args.dtype}, quantization {args.quantization}, "
         f"fused layers {runner.fused_layers}, threads {torch.get_num_threads()}"
     )
     prompts = make_prompts(args.batch, 128, min(runner.model_config.vocab_size, 49152))

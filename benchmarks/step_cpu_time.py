@@ -59,7 +59,7 @@ def main() -> None:
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        attention_backend="cpu_attn",
+        kernels="cpu_extension",
         quantization=args.quantization,
         fused_layers=not args.disable_fused_layers,
     )

@@ -1,4 +1,4 @@
-"""`--attention-backend cpu_attn`: attention that reads the paged KV pool in place.
+"""The attention of `--kernels cpu_extension`: it reads the paged KV pool in place.
 
 One call per layer of the CPU extension's paged_attention (`csrc/attention.cpp`) writes the new
 tokens' K and V to the pool and attends every query row straight from the pool's slots, with an
@@ -17,7 +17,7 @@ from radixserve.model_worker.forward_batch import ForwardBatch
 
 class CpuAttnBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int):
-        require_cpu_kernels("cpu_attn")
+        require_cpu_kernels("its paged attention")
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self._paged_attention = torch.ops.radixserve.paged_attention.default
 

@@ -55,14 +55,14 @@ class DraftModel:
         target: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
-        attention_backend: str,
+        kernels: str,
         quantization: str | None,
         fused_layers: bool,
     ):
         """The draft's weights, loaded once its vocabulary is known to be the target's."""
         check_same_vocabulary(target_path, target, draft_path, ModelConfig.from_dir(draft_path))
         loaded = load_model(
-            draft_path, dtype, device, TPGroup(), attention_backend, quantization, fused_layers
+            draft_path, dtype, device, TPGroup(), kernels, quantization, fused_layers
         )
         if loaded.config.max_position_embeddings < target.max_position_embeddings:
             logger.warning(

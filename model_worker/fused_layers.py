@@ -3,7 +3,7 @@
 A decode step of one sequence runs ~15 ops a layer, and the Python and dispatch between them took
 about a third of the step (benchmarks/RESULTS.md). `DecoderLayers` runs the same ops in the same
 order on the same kernels as the modules do with `CpuKernelOps` (the tests hold the two equal to
-the bit), with nothing in between. It serves the cpu_attn backend on one rank: with TP the
+the bit), with nothing in between. It serves `--kernels cpu_extension` on one rank: with TP the
 all-reduces between a layer's matmuls stay with the modules. `--disable-fused-layers` keeps the
 modules everywhere.
 """

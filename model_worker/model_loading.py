@@ -51,7 +51,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPGroup,
-    attention_backend: str,
+    kernels: str,
     quantization: str | None,
     fused_layers: bool,
 ) -> LoadedModel:
@@ -59,7 +59,7 @@ def load_model(
     _, num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
     _, num_kv_heads = tp.shard_heads(config.num_key_value_heads, "num_key_value_heads")
     check_quantization(quantization, device, dtype)
-    kernels = select_kernels(attention_backend, num_heads, num_kv_heads, device, dtype)
+    kernels = select_kernels(kernels, num_heads, num_kv_heads, device, dtype)
     weight_format = kernels.ops.weight_format()
     if quantization == "int8":
         weight_format = WeightFormat.INT8
@@ -78,7 +78,7 @@ def load_model(
     load_weights(model, model_path)
     # The fused layers call paged_attention themselves, and have no all-reduce between a
     # layer's matmuls.
-    fusable = fused_layers and kernels.name == "cpu_attn" and tp.size == 1
+    fusable = fused_layers and kernels.name == "cpu_extension" and tp.size == 1
     return LoadedModel(
         config, model, kernels, num_kv_heads, weight_bytes, fusable and model.fuse_layers()
     )

@@ -37,20 +37,20 @@ class ModelRunner:
         mem_fraction_static: float,
         tp: TPGroup,
         seed: int,
-        attention_backend: str = "auto",
+        kernels: str = "auto",
         quantization: str | None = None,
         fused_layers: bool = True,
         draft_model_path: str | None = None,
     ):
         self.loaded = loaded = load_model(
-            model_path, dtype, device, tp, attention_backend, quantization, fused_layers
+            model_path, dtype, device, tp, kernels, quantization, fused_layers
         )
         self.model_config = config = loaded.config
         self.device = device
         self.dtype = dtype
         self.tp = tp
         self.model = loaded.model
-        self.attention_backend = loaded.kernels.name
+        self.kernels_name = loaded.kernels.name
         self.attn_backend = loaded.kernels.attn_backend
         self.quantization = quantization
         self.fused_layers = loaded.fused_layers
@@ -68,7 +68,7 @@ class ModelRunner:
                 target=config,
                 dtype=dtype,
                 device=device,
-                attention_backend=attention_backend,
+                kernels=kernels,
                 quantization=quantization,
                 fused_layers=fused_layers,
             )
@@ -94,13 +94,13 @@ class ModelRunner:
             self.draft.allocate_kv(self.max_total_tokens + 1)
         self.sampler = Sampler(device, seed, argmax=loaded.kernels.ops.argmax)
         logger.info(
-            "Loaded %s (%s, %s, attention backend %s, quantization %s, fused layers %s, "
+            "Loaded %s (%s, %s, kernels %s, quantization %s, fused layers %s, "
             "TP rank %d/%d): weights %.2f GB%s, KV pool of %d tokens, %.2f GB (its pages taken "
             "as they are first written)",
             config.architecture,
             dtype,
             device,
-            self.attention_backend,
+            self.kernels_name,
             quantization,
             self.fused_layers,
             tp.rank,

@@ -64,7 +64,7 @@ def build_model_runner(args: ServerArgs, model_path: str, placement: RankPlaceme
         mem_fraction_static=args.mem_fraction_static,
         tp=tp,
         seed=args.random_seed,
-        attention_backend=args.attention_backend,
+        kernels=args.kernels,
         quantization=args.quantization,
         fused_layers=not args.disable_fused_layers,
         draft_model_path=args.speculative_draft_model_path,

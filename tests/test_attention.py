@@ -19,7 +19,7 @@ HEAD_DIM = 8  # below one AVX2 vector: the kernel's tail paths run too
 NUM_SLOTS = 400
 # "padded": torch_native with batched groups' KV length padded to a multiple of 16, as it pads
 # to 128 on a GPU; run on any device, so that the CPU checks the padding is masked.
-BACKENDS = ["torch_native", "cpu_attn", "padded"]
+BACKENDS = ["torch_native", "cpu_extension", "padded"]
 
 
 @dataclass
@@ -113,7 +113,7 @@ def test_matches_reference(
     num_kv_heads: int,
     lens: list[tuple[int, int]],
 ) -> None:
-    if backend == "cpu_attn" and device.type != "cpu":
+    if backend == "cpu_extension" and device.type != "cpu":
         pytest.skip("the CPU extension runs on the CPU")
     pool = TokenToKVPool(NUM_SLOTS, 1, num_kv_heads, HEAD_DIM, dtype=torch.float32, device=device)
     # Padding reads slot 0: make it loud, so that a mask letting it through fails the test.

@@ -1,7 +1,7 @@
 """The CPU extension (model_worker/csrc) against the torch reference it replaces: paged attention
 against the torch_native backend on a mixed batch, each fused op against TorchOps, in float32 and
 (where the CPU has it in hardware) bfloat16, and proof from the profiler that a forward with
-`cpu_attn` runs the extension's ops and no SDPA."""
+`--kernels cpu_extension` runs the extension's ops and no SDPA."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from radixserve.model_worker.parallel import TPGroup
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
 needs_native_bf16 = pytest.mark.skipif(
-    not has_native_bf16(), reason="cpu_attn runs bfloat16 only on CPUs with AVX512-BF16 or AMX"
+    not has_native_bf16(), reason="cpu_extension runs bfloat16 only on CPUs with AVX512-BF16 or AMX"
 )
 # The kernels compute in float32 and round once; torch rounds after each eager op: a few bf16
 # steps (2^-8 relative) apart.
@@ -51,7 +51,7 @@ def torch_threads(n: int) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def kernel_ops() -> CpuKernelOps:
-    select_kernels("cpu_attn", 4, 2, CPU, torch.float32)  # builds the extension (cached)
+    select_kernels("cpu_extension", 4, 2, CPU, torch.float32)  # builds the extension (cached)
     return CpuKernelOps()
 
 
@@ -74,7 +74,7 @@ def test_paged_attention_equals_torch_native(kernel_ops, lens, head_dim) -> None
     whose one new token is not a decode of a running request."""
     heads, kv_heads, num_slots = 9, 3, 2048
     outs, pools = [], []
-    for name in ("torch_native", "cpu_attn"):
+    for name in ("torch_native", "cpu_extension"):
         pool = TokenToKVPool(num_slots, 1, kv_heads, head_dim, dtype=torch.float32, device=CPU)
         zero_unwritten_slots(pool)
         case = make_batch(pool, lens, heads, torch.Generator().manual_seed(1))
@@ -92,7 +92,7 @@ def test_paged_attention_equals_torch_native(kernel_ops, lens, head_dim) -> None
 def test_paged_attention_in_bfloat16_is_close_to_torch_native(kernel_ops, head_dim) -> None:
     heads, kv_heads = 9, 3
     outs, pools = [], []
-    for name in ("torch_native", "cpu_attn"):
+    for name in ("torch_native", "cpu_extension"):
         pool = TokenToKVPool(2048, 1, kv_heads, head_dim, dtype=BF16, device=CPU)
         zero_unwritten_slots(pool)
         case = make_batch(pool, MIXED_BATCH, heads, torch.Generator().manual_seed(1))
@@ -173,17 +173,17 @@ def test_paged_attention_decodes_more_query_heads_than_a_row_group(kernel_ops) -
     zero_unwritten_slots(pool)
     lens = [(150, 1), (31, 1), (0, 1), (40, 3)]
     case = make_batch(pool, lens, 14, torch.Generator().manual_seed(2))
-    out = run_backend("cpu_attn", case)
+    out = run_backend("cpu_extension", case)
     torch.testing.assert_close(out, run_backend("torch_native", case), atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_attn_in_bfloat16_needs_it_in_hardware() -> None:
+def test_cpu_extension_in_bfloat16_needs_it_in_hardware() -> None:
     if has_native_bf16():
-        assert select_kernels("auto", 4, 2, CPU, BF16).name == "cpu_attn"
+        assert select_kernels("auto", 4, 2, CPU, BF16).name == "cpu_extension"
     else:
         assert select_kernels("auto", 4, 2, CPU, BF16).name == "torch_native"
         with pytest.raises(ValueError, match="no bfloat16 in hardware"):
-            select_kernels("cpu_attn", 4, 2, CPU, BF16)
+            select_kernels("cpu_extension", 4, 2, CPU, BF16)
     assert select_kernels("auto", 4, 2, CPU, torch.float16).name == "torch_native"
 
 
@@ -191,7 +191,7 @@ def test_paged_attention_rejects_slots_outside_the_pool(kernel_ops) -> None:
     pool = TokenToKVPool(64, 1, 2, 16, dtype=torch.float32, device=CPU)
     case = make_batch(pool, [(3, 1)], 4, torch.Generator().manual_seed(0))
     case.fb.kv_slots[0, 0] = 64
-    attn = select_kernels("cpu_attn", 4, 2, CPU, torch.float32).attn_backend
+    attn = select_kernels("cpu_extension", 4, 2, CPU, torch.float32).attn_backend
     with pytest.raises(IndexError, match="kv_slots"):
         attn.init_forward_metadata(case.fb)
 
@@ -437,11 +437,11 @@ def test_fused_ops_in_bfloat16_are_close_to_torch(kernel_ops, rows: int) -> None
 @pytest.mark.parametrize(
     "dtype", [torch.float32, pytest.param(BF16, marks=needs_native_bf16)], ids=str
 )
-def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
+def test_cpu_extension_forward_runs_the_extension(tiny_model, dtype) -> None:
     """The profiler names the ops a forward ran: the extension's, and no SDPA; oneDNN on the
     weights reordered at load for a prompt of more rows than linear_small_m takes."""
     # Op by op, so that the profiler sees each (test_fused_layers.py: the same kernels fused).
-    runner = _runner(str(tiny_model("qwen3")), dtype, "cpu_attn", fused_layers=False)
+    runner = _runner(str(tiny_model("qwen3")), dtype, "cpu_extension", fused_layers=False)
     linears = [m for m in runner.model.modules() if isinstance(m, ColumnParallelLinear)]
     assert linears and all(isinstance(m.weight, PackedWeight) for m in linears)
     prompt = SMALL_M + 4
@@ -468,14 +468,14 @@ def test_cpu_attn_forward_runs_the_extension(tiny_model, dtype) -> None:
 
 
 @needs_native_bf16
-def test_cpu_attn_logits_in_bfloat16_are_close_to_torch_natives(tiny_model) -> None:
+def test_cpu_extension_logits_in_bfloat16_are_close_to_torch_natives(tiny_model) -> None:
     path = str(tiny_model("qwen2", tie_word_embeddings=True))
     logits = {}
-    for backend in ("torch_native", "cpu_attn"):
+    for backend in ("torch_native", "cpu_extension"):
         runner = _runner(path, BF16, backend)
-        assert runner.attention_backend == backend
+        assert runner.kernels_name == backend
         logits[backend] = runner.forward_logits(_one_prompt_batch(SMALL_M + 4))
-    ref, got = logits["torch_native"], logits["cpu_attn"]
+    ref, got = logits["torch_native"], logits["cpu_extension"]
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
@@ -488,7 +488,7 @@ def _runner(path: str, dtype: torch.dtype, backend: str, fused_layers: bool = Tr
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        attention_backend=backend,
+        kernels=backend,
         fused_layers=fused_layers,
     )
 

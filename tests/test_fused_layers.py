@@ -58,7 +58,7 @@ def _runner(path: str, dtype: torch.dtype, quantization: str | None, fused: bool
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        attention_backend="cpu_attn",
+        kernels="cpu_extension",
         quantization=quantization,
         fused_layers=fused,
     )

@@ -164,6 +164,12 @@ def test_every_number_is_checked_before_anything_starts(capsys: pytest.CaptureFi
         assert message in refusal(capsys, *argv), argv
 
 
+def test_a_renamed_flag_names_its_new_spelling(capsys: pytest.CaptureFixture[str]):
+    for argv in (["--attention-backend", "cpu_attn"], ["--attention-backend=torch_native"]):
+        assert "--attention-backend is now --kernels" in refusal(capsys, *argv)
+    assert parse_server_args(["--kernels", "torch_native"]).kernels == "torch_native"
+
+
 def test_flags_that_do_not_fit_the_model_or_machine_are_one_line_and_exit_2():
     """The default model has 9 heads: --tp-size 2 was three tracebacks (two children and the
     launcher's EOFError)."""
@@ -220,11 +226,11 @@ def start_and_fail(*argv: str, kill_scheduler: bool = False) -> tuple[int, str]:
 
 
 def test_a_child_that_fails_while_starting_is_one_line_naming_it_and_why():
-    code, log = start_and_fail("--attention-backend", "cpu_attn", "--dtype", "float16")
+    code, log = start_and_fail("--kernels", "cpu_extension", "--dtype", "float16")
     assert code == 1
     assert "Traceback" not in log and "EOFError" not in log, log
     (line,) = [line for line in log.splitlines() if "failed while starting" in line]
-    assert "scheduler failed while starting: ValueError: --attention-backend cpu_attn" in line
+    assert "scheduler failed while starting: ValueError: --kernels cpu_extension" in line
 
 
 def test_a_child_killed_while_starting_is_named_with_its_signal():

@@ -1,6 +1,6 @@
 """Every flag of the README's serving table given to a real server (issue 22, acceptance 5),
 combined into two starts: one server with --quantization int8, --page-size 16, --schedule-policy
-lpm, --chunked-prefill-size -1, --sampling-defaults openai, a forced --attention-backend,
+lpm, --chunked-prefill-size -1, --sampling-defaults openai, a forced --kernels,
 --api-key and a small --max-request-bytes (401 and 413 over a real socket); and one whose CPU
 extension cannot build, where `auto` falls back to torch_native with a warning and serves."""
 
@@ -43,10 +43,10 @@ def server(greedy_by_default_model: Path) -> Iterator[LaunchedServer]:
         "--schedule-policy": "lpm",
         "--chunked-prefill-size": "-1",
         "--sampling-defaults": "openai",
-        "--attention-backend": "cpu_attn",
+        "--kernels": "cpu_extension",
         "--api-key": KEY,
         "--max-request-bytes": str(MAX_BODY),
-        "--device": "cpu",  # int8 and cpu_attn are the CPU's, on a GPU box too
+        "--device": "cpu",  # int8 and cpu_extension are the CPU's, on a GPU box too
     }
     args = [part for flag, value in flags.items() for part in (flag, value)]
     with launched_server("--model", str(greedy_by_default_model), *args, "--check-invariants") as s:
@@ -55,7 +55,7 @@ def server(greedy_by_default_model: Path) -> Iterator[LaunchedServer]:
 
 def test_the_flags_are_in_force(server):
     log = server.log()
-    assert "attention backend cpu_attn, quantization int8" in log
+    assert "kernels cpu_extension, quantization int8" in log
     assert "chunked_prefill_size=1024" in log  # -1: the whole context in one step
     assert "Sampling defaults from" not in log  # openai: generation_config.json is not read
     prompt = "The library opens at nine and closes at six, and lends books for three weeks."
@@ -116,7 +116,7 @@ def test_auto_falls_back_to_torch_native_when_the_kernels_cannot_build(
         log = s.log()
     assert len(out.output_ids) == 3
     assert "CPU kernels unavailable, falling back to torch_native" in log
-    assert "attention backend torch_native" in log
+    assert "kernels torch_native" in log
 
 
 def test_control_queries_answer_503_in_bounded_time_while_the_scheduler_is_stuck(server):

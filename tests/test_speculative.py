@@ -199,9 +199,7 @@ def test_a_seeded_sequence_gets_its_plain_samplers_tokens_alone_and_among_others
 # ---- the scheduler over a real tiny model ------------------------------------------------------
 
 
-def load_runner(
-    model: Path, attention_backend: str = "auto", draft: Path | None = None
-) -> ModelRunner:
+def load_runner(model: Path, kernels: str = "auto", draft: Path | None = None) -> ModelRunner:
     return ModelRunner(
         str(model),
         dtype=torch.float32,
@@ -210,13 +208,13 @@ def load_runner(
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        attention_backend=attention_backend,
+        kernels=kernels,
         draft_model_path=None if draft is None else str(draft),
     )
 
 
-def load_with_draft(model: Path, draft: Path, attention_backend: str = "auto") -> ModelRunner:
-    runner = load_runner(model, attention_backend, draft)
+def load_with_draft(model: Path, draft: Path, kernels: str = "auto") -> ModelRunner:
+    runner = load_runner(model, kernels, draft)
     assert runner.draft is not None
     return runner
 
@@ -335,8 +333,8 @@ def test_greedy_outputs_are_token_equal_with_ngram(greedy_reference, overlap: bo
 
 def test_greedy_outputs_are_token_equal_with_ngram_on_torch_native(tiny_model) -> None:
     """The portable attention backend takes the drafts' extend rows too."""
-    runner = load_runner(tiny_model("qwen3"), attention_backend="torch_native")
-    assert runner.attention_backend == "torch_native"
+    runner = load_runner(tiny_model("qwen3"), kernels="torch_native")
+    assert runner.kernels_name == "torch_native"
     reqs = greedy_requests()[:12]
     want = serve(make_scheduler(runner, None), reqs, stagger=0)
     s = make_scheduler(runner, NGRAM, chunk=24)
@@ -429,7 +427,7 @@ def test_greedy_outputs_are_token_equal_with_standalone(drafted, overlap: bool) 
 def test_greedy_outputs_are_token_equal_with_standalone_on_torch_native(tiny_model) -> None:
     """The portable attention backend runs the draft's one-row passes over cut KV slots too."""
     model = tiny_model("qwen3")
-    runner = load_with_draft(model, model, attention_backend="torch_native")
+    runner = load_with_draft(model, model, kernels="torch_native")
     reqs = greedy_requests()[:12]
     want = serve(make_scheduler(load_runner(model, "torch_native"), None), reqs, stagger=0)
     s = make_scheduler(runner, STANDALONE, chunk=24)

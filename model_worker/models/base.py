@@ -31,6 +31,6 @@ class CausalLM(nn.Module, ABC):
         """The checkpoint tensor that fills a piece of our weight, for error messages."""
 
     def fuse_layers(self) -> bool:
-        """From now on run the decoder layers in one call of the CPU extension (cpu_attn on one
+        """From now on run the decoder layers in one call of the CPU extension (cpu_extension on one
         rank; fused_layers.py), where the model has such a path; whether it has."""
         return False
