@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import typing
 from typing import NoReturn
 
@@ -405,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C or SIGTERM stops every process.",
     )
     add_cli_args(parser)
+    for old, new in _RENAMED_FLAGS.items():
+        parser.add_argument(old, action=_RenamedFlag, new=new)
     return parser
 
 
@@ -415,13 +416,28 @@ _RENAMED_FLAGS = {
 }
 
 
+class _RenamedFlag(argparse.Action):
+    """Not in --help and never a field: given, it ends the parse with its new spelling."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **_: object):
+        super().__init__(
+            option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
+        self.new = new
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> NoReturn:
+        parser.error(f"{option_string} is now {self.new}")
+
+
 def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
     """The flags, checked: a mistake exits with argparse's one-line error and code 2."""
     parser = build_parser()
-    for arg in sys.argv[1:] if argv is None else argv:
-        flag = arg.split("=", 1)[0]
-        if flag in _RENAMED_FLAGS:
-            parser.error(f"{flag} is now {_RENAMED_FLAGS[flag]}")
     args = ServerArgs(**vars(parser.parse_args(argv)))
     if args.api_key is None and API_KEY_ENV in os.environ:
         args = msgspec.structs.replace(args, api_key=os.environ[API_KEY_ENV])

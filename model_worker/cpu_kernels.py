@@ -1,12 +1,14 @@
 """The radixserve CPU extension (`model_worker/csrc/`): paged attention, fused small ops and
 small-batch linear layers, registered as `torch.ops.radixserve.*`.
 
-Built on first use for the CPU it runs on and cached in RADIXSERVE_KERNEL_CACHE (default
-~/.cache/radixserve/kernels): `-march=native`, and ATen's SIMD width as torch reports it for this
-CPU (AVX2, AVX-512, ...). A build's directory is named by a key over everything the build bakes
-in: the sources, the torch it compiles against (version, build and install path), the Python,
-the compiler and its version, the flags and the CPU (x86 `flags`, ARM `Features`). Two venvs, or
-two kinds of machine sharing a home, each keep their own build and never rebuild each other's.
+Built for the CPU it runs on where a server chooses its kernels (kernel_selection and
+check_quantization load it, before the model is built; nothing else starts a build), and cached in
+RADIXSERVE_KERNEL_CACHE (default ~/.cache/radixserve/kernels): `-march=native`, and ATen's SIMD
+width as torch reports it for this CPU (AVX2, AVX-512, ...). A build's directory is named by a key
+over everything the build bakes in: the sources, the torch it compiles against (version, build and
+install path), the Python, the compiler and its version, the flags and the CPU (x86 `flags`, ARM
+`Features`). Two venvs, or two kinds of machine sharing a home, each keep their own build and
+never rebuild each other's.
 
 A start never waits on a dead build: the build holds an `fcntl.flock` on a lock file of ours,
 which the kernel releases when its holder dies (however it dies), and it builds in a directory

@@ -51,7 +51,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPGroup,
-    kernels: str,
+    kernel_choice: str,
     quantization: str | None,
     fused_layers: bool,
 ) -> LoadedModel:
@@ -59,7 +59,7 @@ def load_model(
     _, num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
     _, num_kv_heads = tp.shard_heads(config.num_key_value_heads, "num_key_value_heads")
     check_quantization(quantization, device, dtype)
-    kernels = select_kernels(kernels, num_heads, num_kv_heads, device, dtype)
+    kernels = select_kernels(kernel_choice, num_heads, num_kv_heads, device, dtype)
     weight_format = kernels.ops.weight_format()
     if quantization == "int8":
         weight_format = WeightFormat.INT8

@@ -56,7 +56,8 @@ def int8_small_rows() -> int:
 
 def vnni_kernel_available() -> bool:
     """Whether int8_vnni.cpp's kernel runs here: the CPU has AVX512-VNNI and the extension was
-    built with it (it is built for the CPU it runs on)."""
+    built with it (it is built for the CPU it runs on). Asks the extension, which must be loaded
+    (KernelBuildError if not)."""
     require_cpu_kernels("int8_vnni")
     return has_avx512_vnni() and bool(torch.ops.radixserve.int8_vnni_available())
 

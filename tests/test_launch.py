@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from argparse import SUPPRESS
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_help_imports_neither_torch_nor_transformers():
 
 
 def test_every_server_flag_has_help_and_a_default():
-    actions = [a for a in build_parser()._actions if a.dest != "help"]
+    actions = [a for a in build_parser()._actions if a.dest != "help" and a.help != SUPPRESS]
     assert len(actions) >= 20
     for action in actions:
         assert action.help, f"{action.option_strings} has no help"
@@ -167,6 +168,8 @@ def test_every_number_is_checked_before_anything_starts(capsys: pytest.CaptureFi
 def test_a_renamed_flag_names_its_new_spelling(capsys: pytest.CaptureFixture[str]):
     for argv in (["--attention-backend", "cpu_attn"], ["--attention-backend=torch_native"]):
         assert "--attention-backend is now --kernels" in refusal(capsys, *argv)
+    assert "--attention-backend is now" in refusal(capsys, "--attention", "cpu_attn")  # abbreviated
+    assert "--attention-backend" not in build_parser().format_help()
     assert parse_server_args(["--kernels", "torch_native"]).kernels == "torch_native"
 
 

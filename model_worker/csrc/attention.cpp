@@ -100,7 +100,7 @@ struct NextUnitRows {
 
 // How a block's K rows are packed, as 32-bit elements: float32 values (Float), bfloat16 pairs
 // for vdpbf16ps (Pairs), or bfloat16 values widened to float32 (Widened: bfloat16 with an odd
-// head size, or on a build without AVX512-BF16, which the backend selection keeps off cpu_attn
+// head size, or on a build without AVX512-BF16, which kernel_selection keeps off cpu_extension
 // but which must work).
 enum class KeyPack { Float, Pairs, Widened };
 
