@@ -23,6 +23,11 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
 
 
+# Each replay_only test here is checked in the suite by a wider one: the stuck scheduler by
+# test_server_flags' test_control_queries_answer_503_in_bounded_time_while_the_scheduler_is_stuck,
+# SIGHUP and the last log line by test_faults' test_sighup_drains_like_sigterm_and_ps_names_each_
+# process (tests/replay_issue22.py runs them all).
+@pytest.mark.replay_only
 def test_health_answers_in_bounded_time_while_the_scheduler_is_stuck(
     small_server: LaunchedServer,
 ) -> None:
@@ -45,6 +50,7 @@ def test_each_server_process_is_named_by_its_role(small_server: LaunchedServer) 
     assert not unnamed, f"server processes not named by role in ps: {unnamed}"
 
 
+@pytest.mark.replay_only
 def test_sighup_drains_like_sigterm(tiny_served_model: Path) -> None:
     with launched_server("--model", str(tiny_served_model), *server_flags()) as server:
         server.proc.send_signal(signal.SIGHUP)  # a closed terminal
@@ -55,6 +61,7 @@ def test_sighup_drains_like_sigterm(tiny_served_model: Path) -> None:
         assert code == 0, f"SIGHUP not handled: the launcher exited with {code}"
 
 
+@pytest.mark.replay_only
 def test_the_last_log_line_says_stopped(tiny_served_model: Path) -> None:
     with launched_server("--model", str(tiny_served_model), *server_flags()) as server:
         server.proc.send_signal(signal.SIGTERM)
