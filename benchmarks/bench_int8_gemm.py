@@ -32,9 +32,9 @@ import torch
 from compute_roof import core_peak_macs
 
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
+from radixserve.model_worker.int8_weight import Int8Weight, int8_small_rows, vnni_kernel_available
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.model_source import resolve_model_path
-from radixserve.model_worker.quantization import Int8Weight, int8_small_rows, vnni_kernel_available
 from radixserve.process_setup import keep_freed_memory
 
 

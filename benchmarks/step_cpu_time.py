@@ -23,7 +23,7 @@ import torch
 from bench_backends import Seqs, forward
 from bench_serving import make_prompts
 
-from radixserve.model_worker import quantization
+from radixserve.model_worker import int8_weight
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.model_source import resolve_model_path
 from radixserve.model_worker.parallel import TPGroup
@@ -50,7 +50,7 @@ def main() -> None:
     max_len = PROMPT + 2 * args.repeats + 3
     keep_freed_memory()
     if args.int8_layout == "plain":  # read as each weight is allocated, while the model loads
-        quantization.vnni_layout_available = lambda: False
+        int8_weight.vnni_layout_available = lambda: False
     runner = ModelRunner(
         resolve_model_path(args.model),
         dtype=getattr(torch, args.dtype),

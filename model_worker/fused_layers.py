@@ -15,8 +15,8 @@ import torch
 from radixserve.model_worker.cpu_kernels import require_cpu_kernels
 from radixserve.model_worker.forward_batch import ForwardBatch
 from radixserve.model_worker.fused_ops import small_kernel_rows
+from radixserve.model_worker.int8_weight import Int8Weight
 from radixserve.model_worker.packed_linear import PackedWeight, Panels
-from radixserve.model_worker.quantization import Int8Weight
 from radixserve.model_worker.weight_format import PreparedWeight
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixserve.model_worker.int8_weight import Int8Weight, int8_small_rows
 from radixserve.model_worker.packed_linear import PackedWeight, onednn_packing_available
-from radixserve.model_worker.quantization import Int8Weight, int8_small_rows
 from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat
 
 # Rows up to which linear_small_m beats BLAS here (the extension's kMaxSmallM).

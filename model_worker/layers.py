@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.model_worker.fused_ops import TorchOps
+from radixserve.model_worker.int8_weight import Int8Weight
 from radixserve.model_worker.model_config import RopeConfig
 from radixserve.model_worker.parallel import TPGroup
-from radixserve.model_worker.quantization import Int8Weight
 from radixserve.model_worker.weight_format import PreparedWeight, WeightFormat, held_tensors
 
 # Vocabulary rows copied at a time: the checkpoint rows read for one copy stay small.

@@ -12,8 +12,8 @@ import enum
 
 import torch
 
+from radixserve.model_worker.int8_weight import Int8Weight, int8_weight_nbytes
 from radixserve.model_worker.packed_linear import PackedWeight
-from radixserve.model_worker.quantization import Int8Weight, int8_weight_nbytes
 
 # A linear weight in the form its kernels read, other than a plain tensor.
 PreparedWeight = Int8Weight | PackedWeight
@@ -22,7 +22,7 @@ PreparedWeight = Int8Weight | PackedWeight
 class WeightFormat(enum.Enum):
     PLAIN = "plain"  # the loaded tensor: F.linear and linear_small_m read it
     ONEDNN = "onednn"  # packed_linear.PackedWeight
-    INT8 = "int8"  # quantization.Int8Weight
+    INT8 = "int8"  # int8_weight.Int8Weight
 
     def start_loading(
         self, rows: int, cols: int, dtype: torch.dtype, device: torch.device

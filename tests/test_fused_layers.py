@@ -12,14 +12,14 @@ import pytest
 import torch
 from test_sampler import make_info
 
-from radixserve.model_worker import fused_ops, quantization
+from radixserve.model_worker import fused_ops, int8_weight
 from radixserve.model_worker.batch import ModelWorkerBatch
 from radixserve.model_worker.cpu_features import has_amx_bf16, has_avx512_bf16, has_native_bf16
 from radixserve.model_worker.forward_batch import ForwardBatch
 from radixserve.model_worker.fused_ops import PANEL_ROWS, SMALL_M, CpuKernelOps
+from radixserve.model_worker.int8_weight import INT8_GEMM_MIN_ROWS, int8_small_rows
 from radixserve.model_worker.model_runner import ModelRunner
 from radixserve.model_worker.parallel import TPGroup
-from radixserve.model_worker.quantization import INT8_GEMM_MIN_ROWS, int8_small_rows
 from radixserve.model_worker.weight_format import WeightFormat
 
 CPU = torch.device("cpu")
@@ -129,7 +129,7 @@ def test_fused_layers_equal_the_modules_on_plain_int8(tiny_model, monkeypatch, o
     """The plain int8 layout, as CPUs without AVX512-VNNI keep it: int8_linear, then oneDNN's
     int8 matmul; or, with oneDNN held below VNNI (inexact int8 sums), int8_linear at every row
     count."""
-    monkeypatch.setattr(quantization, "vnni_layout_available", lambda: False)
+    monkeypatch.setattr(int8_weight, "vnni_layout_available", lambda: False)
     if not onednn:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
         assert int8_small_rows() > STEP_ROWS[-1]

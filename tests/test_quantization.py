@@ -12,10 +12,7 @@ from test_cpu_kernels import _one_prompt_batch, torch_threads
 
 from radixserve.model_worker.cpu_features import has_native_bf16
 from radixserve.model_worker.cpu_kernels import load_cpu_kernels
-from radixserve.model_worker.layers import ColumnParallelLinear, RowParallelLinear
-from radixserve.model_worker.model_runner import ModelRunner
-from radixserve.model_worker.parallel import TPGroup
-from radixserve.model_worker.quantization import (
+from radixserve.model_worker.int8_weight import (
     INT8_GEMM_MIN_ROWS,
     Int8Weight,
     int8_weight_nbytes,
@@ -23,6 +20,9 @@ from radixserve.model_worker.quantization import (
     vnni_kernel_available,
     vnni_layout_available,
 )
+from radixserve.model_worker.layers import ColumnParallelLinear, RowParallelLinear
+from radixserve.model_worker.model_runner import ModelRunner
+from radixserve.model_worker.parallel import TPGroup
 
 load_cpu_kernels()  # cached after the first build
 ops = torch.ops.radixserve
