@@ -311,6 +311,7 @@ def test_sigterm_under_load_answers_every_request_and_exits_0(server):
 
     replies, late = asyncio.run(run())
     assert server.proc.wait(30) == 0
+    assert server.log().splitlines()[-1].endswith("stopped (exit code 0)")
     assert late == [late[0]] and late[0]["code"] == "overloaded"
     reasons = []
     for rid, got in replies.items():

@@ -23,10 +23,11 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
 
 
-# Each replay_only test here is checked in the suite by a wider one: the stuck scheduler by
-# test_server_flags' test_control_queries_answer_503_in_bounded_time_while_the_scheduler_is_stuck,
-# SIGHUP and the last log line by test_faults' test_sighup_drains_like_sigterm_and_ps_names_each_
-# process (tests/replay_issue22.py runs them all).
+# Each replay_only test here is checked in the suite by a wider one (tests/replay_issue22.py runs
+# them all): the stuck scheduler by test_server_flags' test_control_queries_answer_503_in_bounded_
+# time_while_the_scheduler_is_stuck; SIGHUP and the processes' names by test_faults'
+# test_sighup_drains_like_sigterm_and_ps_names_each_process; SIGTERM's last log line by
+# test_reliability's test_sigterm_under_load_answers_every_request_and_exits_0.
 @pytest.mark.replay_only
 def test_health_answers_in_bounded_time_while_the_scheduler_is_stuck(
     small_server: LaunchedServer,
@@ -42,6 +43,7 @@ def test_health_answers_in_bounded_time_while_the_scheduler_is_stuck(
     assert reply.status_code == 503, reply.text
 
 
+@pytest.mark.replay_only
 def test_each_server_process_is_named_by_its_role(small_server: LaunchedServer) -> None:
     names = [_cmdline(pid) for pid in small_server.children()]
     servers = [name for name in names if "resource_tracker" not in name]
