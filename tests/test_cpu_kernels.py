@@ -471,15 +471,15 @@ def test_cpu_extension_forward_runs_the_extension(tiny_model, dtype) -> None:
 def test_cpu_extension_logits_in_bfloat16_are_close_to_torch_natives(tiny_model) -> None:
     path = str(tiny_model("qwen2", tie_word_embeddings=True))
     logits = {}
-    for backend in ("torch_native", "cpu_extension"):
-        runner = _runner(path, BF16, backend)
-        assert runner.kernels_name == backend
-        logits[backend] = runner.forward_logits(_one_prompt_batch(SMALL_M + 4))
+    for kernels in ("torch_native", "cpu_extension"):
+        runner = _runner(path, BF16, kernels)
+        assert runner.kernels_name == kernels
+        logits[kernels] = runner.forward_logits(_one_prompt_batch(SMALL_M + 4))
     ref, got = logits["torch_native"], logits["cpu_extension"]
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def _runner(path: str, dtype: torch.dtype, backend: str, fused_layers: bool = True) -> ModelRunner:
+def _runner(path: str, dtype: torch.dtype, kernels: str, fused_layers: bool = True) -> ModelRunner:
     return ModelRunner(
         path,
         dtype=dtype,
@@ -488,7 +488,7 @@ def _runner(path: str, dtype: torch.dtype, backend: str, fused_layers: bool = Tr
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        kernels=backend,
+        kernels=kernels,
         fused_layers=fused_layers,
     )
 

@@ -92,10 +92,10 @@ def assert_matches_hf(hf: torch.nn.Module, s: Seq) -> None:
     assert expected.abs().max() > 0.5, "logits too small for the comparison to mean anything"
 
 
-@pytest.mark.parametrize("backend", ["torch_native", "cpu_extension"])
+@pytest.mark.parametrize("kernels", ["torch_native", "cpu_extension"])
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_and_decode_match_transformers(tiny_model, device, case: str, backend: str) -> None:
-    if backend == "cpu_extension" and device.type != "cpu":
+def test_prefill_and_decode_match_transformers(tiny_model, device, case: str, kernels: str) -> None:
+    if kernels == "cpu_extension" and device.type != "cpu":
         pytest.skip("the CPU extension runs on the CPU")
     kind, overrides = CASES[case]
     path: Path = tiny_model(kind, **overrides)
@@ -108,9 +108,9 @@ def test_prefill_and_decode_match_transformers(tiny_model, device, case: str, ba
         mem_fraction_static=0.0,
         tp=TPGroup(),
         seed=0,
-        kernels=backend,
+        kernels=kernels,
     )
-    assert runner.kernels_name == backend
+    assert runner.kernels_name == kernels
     assert runner.max_total_tokens == POOL_TOKENS
 
     gen = torch.Generator().manual_seed(1)
