@@ -304,7 +304,8 @@ def convert_to_gguf(llama_cpp: Path, model_dir: str, dtype: str, out_dir: Path) 
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     if done.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed: {done.stderr[-3000:]}")
+        last = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        raise RuntimeError(f"convert_hf_to_gguf.py failed: {last[0]}")
     took = time.monotonic() - start
     print(f"converted to GGUF ({GGUF_TYPES[dtype]}) for llama.cpp in {took:.1f} s")
     return out
@@ -502,8 +503,11 @@ def main() -> None:
             and llama_converter_python(args.llama_cpp).is_file()
             and args.dtype in GGUF_TYPES
         ):
-            names.append("llama.cpp")
-            args.gguf = convert_to_gguf(args.llama_cpp, model_dir, args.dtype, Path(gguf_dir))
+            try:
+                args.gguf = convert_to_gguf(args.llama_cpp, model_dir, args.dtype, Path(gguf_dir))
+                names.append("llama.cpp")
+            except RuntimeError as e:  # e.g. a tokenizer its converter does not know
+                print(f"llama.cpp left out: {e}", file=sys.stderr)
         else:
             message = f"no llama.cpp build and venv in {args.llama_cpp} for --dtype {args.dtype}"
             print(message, file=sys.stderr)
