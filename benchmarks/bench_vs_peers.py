@@ -13,28 +13,31 @@ text needs none of them):
     /work/peers/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 llama.cpp's `llama-server`, where built (a checkout with build/bin/llama-server, `--llama-cpp
-DIR` or RADIXSERVE_LLAMA_CPP), serves the same checkpoint converted to GGUF once per run by the
-checkout's convert_hf_to_gguf.py, run by DIR/.venv/bin/python (its own requirements), in
---dtype (bf16 or f32), on 2 threads with a slot per request:
+DIR` or RADIXSERVE_LLAMA_CPP; `--no-llama-cpp` leaves it out), serves the same checkpoint
+converted to GGUF once per run (into $TMPDIR) by the checkout's convert_hf_to_gguf.py, run by
+DIR/.venv/bin/python, in --dtype (bf16, f16 or f32), on 2 threads with a slot per request. A
+checkpoint its converter cannot read (a tokenizer it does not know), or a server that does not
+start, leaves it out. As built here from the llama-cpp-python 0.3.36 sdist's vendor/llama.cpp
+(its converter's own requirements pin a transformers that cannot read these tokenizer configs):
 
-    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON
-    cmake --build build -j2 --target llama-server
-    python3 -m venv .venv
-    .venv/bin/pip install -r requirements/requirements-convert_hf_to_gguf.txt
+    cmake -B build -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_OPENSSL=OFF && cmake --build build -j2 --target llama-server
+    python3 -m venv --system-site-packages .venv && .venv/bin/pip install sentencepiece
 
 The servers are started once and warmed up; then, round after round, each gets the same
-requests in turn while the other idles. Two workloads: --num-requests sent at once (128-token
+requests in turn while the others idle. Two workloads: --num-requests sent at once (128-token
 prompts of random ids, 128 new tokens, ignore_eos, greedy, streaming), and --latency-requests
 sent one at a time. Prints output tok/s, TTFT p50/p99, ITL p50 (over every gap between two
 streamed tokens), TPOT p50 (each request's time per token after its first), tokens an event
 (1.00 when every streamed event carried one token) and the ratios of the medians over rounds,
 beside the time to read a decode step's weights once (weight_streaming.py): the floor of a step
 at concurrency 1, and each engine's time from its start to /health answering. Without a vLLM
-install (or llama.cpp build), radixserve runs without it.
+install (or llama.cpp build), radixserve runs without that peer.
 
-Models too large for two engines at once (an 8B in 24 GiB) take `--one-engine-at-a-time`: each
-engine is started, measured and stopped before the next starts; `--cold` drops the checkpoint
-from the page cache before each start, so that both read it from the disk;
+Models too large for several engines at once (an 8B in 24 GiB) take `--one-engine-at-a-time`:
+each engine is started, measured and stopped before the next starts; `--cold` drops the files an
+engine loads (the checkpoint, llama.cpp's GGUF) from the page cache before each start, so that
+each reads them from the disk;
 `--num-requests 0` skips the concurrent workload.
 
 radixserve is driven through both its front doors, the ZMQ wire (AsyncClient) and HTTP
@@ -190,7 +193,8 @@ def openai_sender(port: int, model: str, extra: dict[str, object] | None = None)
                 # vLLM and radixserve stream an event per token, its text empty where the token
                 # decodes to none yet (a random model's ids past its tokenizer's vocabulary, an
                 # incomplete UTF-8 sequence): counting only events with text put a random
-                # model's first token many steps late. tokens_per_event says if one carried more.
+                # model's first token many steps late. llama-server holds such a token back for
+                # the next event (which then carries two): tokens_per_event shows it.
                 timing.add_chunk(1)
         writer.close()
         if not timing.tokens:  # no usage event: one token an event
@@ -263,22 +267,23 @@ def http_server(
     name: str, cmd: list[str], port: int, env: dict[str, str], timeout: float
 ) -> Iterator[None]:
     """Runs a peer's server until the block ends, once its /health answers 200."""
-    log_path = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
+    fd, log_name = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
+    os.close(fd)
+    log_path = Path(log_name)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/")
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: {log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{name} exited: {log_path.read_text(errors='replace')[-3000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                     break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{name} not healthy after {timeout}s ({log_path})"
-                    ) from None
+                    tail = log_path.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{name} not healthy after {timeout}s: {tail}") from None
                 time.sleep(0.2)  # as often as radixserve's is polled: ready times compare
         yield
     finally:
@@ -301,7 +306,7 @@ def convert_to_gguf(llama_cpp: Path, model_dir: str, dtype: str, out_dir: Path) 
         [str(llama_converter_python(llama_cpp)), str(llama_cpp / "convert_hf_to_gguf.py"),
          model_dir, "--outfile", str(out), "--outtype", GGUF_TYPES[dtype]],
         env={**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace",
     )  # fmt: skip
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1:] or ["no message"]
@@ -322,10 +327,12 @@ class Engine:
 
 
 @contextmanager
-def started(name: str, args: argparse.Namespace, model_dir: str) -> Iterator[Engine]:
+def started(
+    name: str, args: argparse.Namespace, model_dir: str, gguf: Path | None
+) -> Iterator[Engine]:
     """Starts `name` ("radixserve", "vllm" or "llama.cpp") and waits until it answers /health."""
     if args.cold:
-        files = [args.gguf] if name == "llama.cpp" else Path(model_dir).glob("*.safetensors")
+        files = [gguf] if gguf and name == "llama.cpp" else Path(model_dir).glob("*.safetensors")
         evict_from_page_cache(files)
     start = time.monotonic()
     if name == "vllm":
@@ -333,7 +340,8 @@ def started(name: str, args: argparse.Namespace, model_dir: str) -> Iterator[Eng
             yield Engine(name, time.monotonic() - start, http_port=port)
         return
     if name == "llama.cpp":
-        with llama_server(llama_server_binary(args), args.gguf, args) as port:
+        assert gguf is not None, "llama.cpp serves the GGUF conversion"
+        with llama_server(llama_server_binary(args.llama_cpp), gguf, args) as port:
             yield Engine(name, time.monotonic() - start, http_port=port)
         return
     flags = ["--model", model_dir, "--disable-radix-cache", "--dtype", args.dtype]
@@ -343,8 +351,8 @@ def started(name: str, args: argparse.Namespace, model_dir: str) -> Iterator[Eng
 
 
 def evict_from_page_cache(files: Iterable[Path]) -> None:
-    """Drops the checkpoint's pages from the page cache (no root needed), so that the next
-    start reads it from the disk, as a first start after boot does."""
+    """Drops the files' pages from the page cache (no root needed), so that the next start
+    reads them from the disk, as a first start after boot does."""
     for file in files:
         fd = os.open(file, os.O_RDONLY)
         try:
@@ -476,6 +484,7 @@ def main() -> None:
         help="a llama.cpp checkout with build/bin/llama-server (default: $RADIXSERVE_LLAMA_CPP "
         f"or {DEFAULT_LLAMA_CPP}); left out when it has none",
     )
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     parser.add_argument(
         "--start-timeout", type=float, default=1800, help="radixserve's and llama-server's"
     )
@@ -498,20 +507,10 @@ def main() -> None:
     else:
         print(f"no vLLM at {args.vllm_python}: left out", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="radixserve-gguf-") as gguf_dir:
-        if (
-            llama_server_binary(args).is_file()
-            and llama_converter_python(args.llama_cpp).is_file()
-            and args.dtype in GGUF_TYPES
-        ):
-            try:
-                args.gguf = convert_to_gguf(args.llama_cpp, model_dir, args.dtype, Path(gguf_dir))
-                names.append("llama.cpp")
-            except RuntimeError as e:  # e.g. a tokenizer its converter does not know
-                print(f"llama.cpp left out: {e}", file=sys.stderr)
-        else:
-            message = f"no llama.cpp build and venv in {args.llama_cpp} for --dtype {args.dtype}"
-            print(message, file=sys.stderr)
-        results, ready = run_engines(names, args, model_dir)
+        gguf = None if args.no_llama_cpp else llama_cpp_gguf(args, model_dir, Path(gguf_dir))
+        if gguf is not None:
+            names.append("llama.cpp")
+        results, ready = run_engines(names, args, model_dir, gguf)
     order = "one engine at a time" if args.one_engine_at_a_time else "taking turns"
     print(f"\n--dtype {args.dtype}, server args: {args.server_args or '(defaults)'}; ", end="")
     print(f"{args.rounds} rounds, {order}{', cold starts' if args.cold else ''}")
@@ -537,25 +536,61 @@ def main() -> None:
 
 
 def run_engines(
-    names: list[str], args: argparse.Namespace, model_dir: str
+    names: list[str], args: argparse.Namespace, model_dir: str, gguf: Path | None
 ) -> tuple[Results, dict[str, float]]:
-    """Every workload on every engine; and each engine's time from its start to ready."""
+    """Every workload on every engine that starts; and each one's time from its start to
+    ready."""
     results: Results = {"concurrent": {}, "latency": {}}
+    ready: dict[str, float] = {}
     if args.one_engine_at_a_time:
-        ready = {}
         for name in names:
-            with started(name, args, model_dir) as engine:
-                ready[name] = engine.ready_s
-                asyncio.run(measure([engine], args, model_dir, results))
+            with ExitStack() as stack:
+                engine = start_engine(stack, name, args, model_dir, gguf)
+                if engine is not None:
+                    ready[name] = engine.ready_s
+                    asyncio.run(measure([engine], args, model_dir, results))
         return results, ready
     with ExitStack() as stack:
-        engines = [stack.enter_context(started(name, args, model_dir)) for name in names]
-        asyncio.run(measure(engines, args, model_dir, results))
-    return results, {engine.name: engine.ready_s for engine in engines}
+        engines = [start_engine(stack, name, args, model_dir, gguf) for name in names]
+        running = [engine for engine in engines if engine is not None]
+        asyncio.run(measure(running, args, model_dir, results))
+    return results, {engine.name: engine.ready_s for engine in running}
 
 
-def llama_server_binary(args: argparse.Namespace) -> Path:
-    return args.llama_cpp / "build" / "bin" / "llama-server"
+def start_engine(
+    stack: ExitStack, name: str, args: argparse.Namespace, model_dir: str, gguf: Path | None
+) -> Engine | None:
+    """`name` started, to stop with `stack`; None where llama-server does not start (left out,
+    as a peer that is not installed: the others' runs go on)."""
+    try:
+        return stack.enter_context(started(name, args, model_dir, gguf))
+    except RuntimeError as e:
+        if name != "llama.cpp":
+            raise
+        print(f"llama.cpp left out: {e}", file=sys.stderr)
+        return None
+
+
+def llama_cpp_gguf(args: argparse.Namespace, model_dir: str, out_dir: Path) -> Path | None:
+    """The checkpoint as GGUF for llama.cpp, or None (and why, on stderr) where it is not
+    built or cannot convert it."""
+    if not (
+        llama_server_binary(args.llama_cpp).is_file()
+        and llama_converter_python(args.llama_cpp).is_file()
+        and args.dtype in GGUF_TYPES
+    ):
+        message = f"no llama.cpp build and venv in {args.llama_cpp} for --dtype {args.dtype}"
+        print(message, file=sys.stderr)
+        return None
+    try:
+        return convert_to_gguf(args.llama_cpp, model_dir, args.dtype, out_dir)
+    except (RuntimeError, OSError) as e:  # e.g. a tokenizer its converter does not know
+        print(f"llama.cpp left out: {e}", file=sys.stderr)
+        return None
+
+
+def llama_server_binary(llama_cpp: Path) -> Path:
+    return llama_cpp / "build" / "bin" / "llama-server"
 
 
 def llama_converter_python(llama_cpp: Path) -> Path:

@@ -15,7 +15,7 @@
 // rounded to bfloat16 (as FlashAttention's P x V; the softmax's sums stay float32) and two keys'
 // V rows interleaved into pairs: half the multiply-adds. Softmax's exp is ATen's exp_u20 on
 // vectors of a row's scores (within 20 ulp, as ATen's flash attention), the last one masked;
-// the rescale of its sums takes std::exp, where the row's max moved.
+// the rescale of its sums takes std::exp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -586,8 +586,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             if (cnt == 0) continue;
             float& m = row_max[hh * R + r];
             const float new_max = std::max(m, row_max_of(s, cnt));
-            // Most blocks of a long prompt leave a row's max where it was: no exp for them.
-            const float rescale = new_max == m ? 1.f : std::exp(m - new_max);
+            const float rescale = std::exp(m - new_max);
             const Vec vmax(new_max);
             Vec vsum(0.f);
             int64_t j = 0;
