@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from radixserve.model_worker.forward_batch import ForwardBatch
 
@@ -165,6 +164,10 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
     Its last query row is its last KV position: causal aligned to the bottom right.
     """
+    # Imported here: torch.nn.attention.bias imports torch._dynamo, ~1.1 s of every scheduler's
+    # start, and only this path (the reference kernels') uses it.
+    from torch.nn.attention.bias import causal_lower_right
+
     causal = causal_lower_right(q.shape[0], k.shape[2])
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k, v, attn_mask=causal, enable_gqa=True
