@@ -51,6 +51,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -67,7 +68,12 @@ from bench_serving import make_prompts
 from weight_streaming import weight_streaming_seconds
 
 from radixserve.client import AsyncClient
-from radixserve.client.local_server import free_port, launched_server, wait_healthy
+from radixserve.client.local_server import (
+    dying_with_this_thread,
+    free_port,
+    launched_server,
+    wait_healthy,
+)
 from radixserve.model_worker.model_source import resolve_model_path
 
 DEFAULT_VLLM_PYTHON = "/work/peers/vllm/bin/python"
@@ -266,12 +272,15 @@ def llama_server(binary: Path, gguf: Path, args: argparse.Namespace) -> Iterator
 def http_server(
     name: str, cmd: list[str], port: int, env: dict[str, str], timeout: float
 ) -> Iterator[None]:
-    """Runs a peer's server until the block ends, once its /health answers 200."""
+    """Runs a peer's server until the block ends, once its /health answers 200; it dies with
+    this thread (a benchmark killed outright leaves no server holding the cores and ports)."""
     fd, log_name = tempfile.mkstemp(prefix=f"{name}-", suffix=".log")
     log_path = Path(log_name)
     try:
         with os.fdopen(fd, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/")
+            proc = subprocess.Popen(
+                dying_with_this_thread(cmd), stdout=log, stderr=subprocess.STDOUT, env=env, cwd="/"
+            )
     except OSError:  # not executable, say
         log_path.unlink()
         raise
@@ -500,6 +509,8 @@ def main() -> None:
     )
     parser.add_argument("--vllm-start-timeout", type=float, default=1800)
     args = parser.parse_args()
+    # SIGTERM ends a run as Ctrl-C does: the servers stop, the GGUF's directory goes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     model_dir = resolve_model_path(args.model)
     # The floor in the served form: bfloat16 weights are half float32's bytes, int8 a quarter.

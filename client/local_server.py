@@ -34,6 +34,14 @@ _DIE_WITH_STARTER = (
 )
 
 
+def dying_with_this_thread(command: Sequence[str]) -> list[str]:
+    """`command`, run so that on Linux the kernel sends it SIGTERM when the thread that starts it
+    is gone (_DIE_WITH_STARTER): any server a test or benchmark starts, ours or a peer's."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-I", "-c", _DIE_WITH_STARTER, str(os.getpid()), *command]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -95,12 +103,11 @@ def launched_server(
     outlives it; there a command that cannot be run shows as a server that exited while starting."""
     port, http_port = free_port(), free_port()
     log_path = Path(tempfile.mkstemp(prefix="radixserve-test-", suffix=".log")[1])
-    starter: tuple[str, ...] = ()
-    if sys.platform.startswith("linux"):
-        starter = (sys.executable, "-I", "-c", _DIE_WITH_STARTER, str(os.getpid()))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*starter, *command, "--port", str(port), "--http-port", str(http_port), *args],
+            dying_with_this_thread(
+                [*command, "--port", str(port), "--http-port", str(http_port), *args]
+            ),
             cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
