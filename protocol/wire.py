@@ -21,6 +21,9 @@ MAX_TOP_LOGPROBS = 256
 # pair, about 100 bytes, from the scheduler to the reply. vLLM's 20 a position over a 32k
 # context fit; 256 a position over a long prompt (25M pairs at 100k tokens) does not.
 MAX_PROMPT_TOP_LOGPROBS = 1 << 20
+# The same bound on an output's (its max_new_tokens x top_logprobs_num): the scheduler keeps
+# every position's list until the request ends, and a whole reply carries them all.
+MAX_OUTPUT_TOP_LOGPROBS = 1 << 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
@@ -201,6 +204,17 @@ def check_prompt_top_logprobs(field: str, top: int, prompt_tokens: int) -> None:
             f"{field}: {top} top logprobs for each of the prompt's {prompt_tokens} tokens make "
             f"{top * prompt_tokens}; at most {MAX_PROMPT_TOP_LOGPROBS} in all (ask for fewer, or "
             "for a shorter part of the prompt)"
+        )
+
+
+def check_output_top_logprobs(field: str, top: int, new_tokens: int, length_field: str) -> None:
+    """`top` top logprobs for each of up to `new_tokens` output tokens fit MAX_OUTPUT_TOP_LOGPROBS
+    (ValueError naming `field`; `length_field`: the client's name for the output's limit)."""
+    if top * new_tokens > MAX_OUTPUT_TOP_LOGPROBS:
+        raise ValueError(
+            f"{field}: {top} top logprobs for each of up to {new_tokens} new tokens make "
+            f"{top * new_tokens}; at most {MAX_OUTPUT_TOP_LOGPROBS} in all (ask for fewer, or "
+            f"for a smaller {length_field})"
         )
 
 

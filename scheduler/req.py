@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from radixserve.protocol.internal import ReqError, TokenizedGenerateReq
-from radixserve.protocol.wire import FinishReason, SamplingParams, check_prompt_top_logprobs
+from radixserve.protocol.wire import (
+    FinishReason,
+    SamplingParams,
+    check_output_top_logprobs,
+    check_prompt_top_logprobs,
+)
 from radixserve.scheduler.config import SchedulerConfig
 from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.scheduler.ngram import SpecState
@@ -151,12 +156,14 @@ def make_req(msg: TokenizedGenerateReq, config: SchedulerConfig) -> Req | ReqErr
     that refuses it at once (it could never fit the context or the whole KV pool)."""
     params = msg.sampling_params
     n_prompt = len(msg.input_ids)
+    if n_prompt == 0:  # nothing to prefill: admission would take it and stop, again and again
+        return ReqError(msg.rid, "invalid_request", "the prompt has no tokens")
     if n_prompt >= config.context_len:
         return ReqError(
             msg.rid,
             "too_long",
-            f"the prompt has {n_prompt} tokens; the context length is {config.context_len}, "
-            "which must leave room for at least one new token",
+            f"This model's maximum context length is {config.context_len} tokens. However, "
+            f"the prompt has {n_prompt}, which leaves no room for a new token",
         )
     # Clipped to the context, as SGLang and vLLM do: admission reserves KV for max_new_tokens,
     # so an unclipped one could be accepted here and never admitted, blocking the queue.
@@ -173,9 +180,12 @@ def make_req(msg: TokenizedGenerateReq, config: SchedulerConfig) -> Req | ReqErr
             f"{config.max_total_tokens} (--max-total-tokens)",
         )
     start = min(msg.logprob_start_len, n_prompt - 1)
-    if start >= 0 and msg.return_logprob:
+    if msg.return_logprob:
+        top = msg.top_logprobs_num
         try:
-            check_prompt_top_logprobs("top_logprobs_num", msg.top_logprobs_num, n_prompt - start)
+            if start >= 0:
+                check_prompt_top_logprobs("top_logprobs_num", top, n_prompt - start)
+            check_output_top_logprobs("top_logprobs_num", top, max_new, "max_new_tokens")
         except ValueError as e:
             return ReqError(msg.rid, "invalid_request", str(e))
     prompt_only = start >= 0 and params.max_new_tokens == 0

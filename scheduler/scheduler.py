@@ -186,6 +186,9 @@ class Scheduler:
         if self.waiting and not retracted:
             plan += self._admit_waiting(prefill_budget, num_drafts)
         if not plan:
+            # Idle: the next burst starts from the first estimate, not from the last one's
+            # decay or retractions (SGLang resets it so whenever it has no batch).
+            self.new_token_ratio = NewTokenRatio()
             return None
         if drafts:
             drafts += [[] for _ in range(len(plan) - len(drafts))]

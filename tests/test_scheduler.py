@@ -8,8 +8,9 @@ import pytest
 from fake_worker import EOS, FakeModelWorker, reference_tokens
 
 from radixserve.protocol.internal import TokenizedGenerateReq
-from radixserve.protocol.wire import SamplingParams
+from radixserve.protocol.wire import MAX_OUTPUT_TOP_LOGPROBS, SamplingParams
 from radixserve.scheduler.kv_manager import InvariantError
+from radixserve.scheduler.prefill_adder import NewTokenRatio
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
@@ -122,6 +123,48 @@ def test_too_long_requests_are_refused_at_once():
     assert err.code == "too_long" and "KV pool" in err.message
 
 
+def test_an_empty_prompt_is_refused_and_the_queue_moves_on():
+    """A prompt of no tokens (a text the tokenizer makes nothing of) has nothing to prefill:
+    admitted, it would be let go and stop admission, step after step, for everyone behind it."""
+    s = make_scheduler()
+    err = s.add_request(gen("empty", [], 5))
+    assert err is not None and err.code == "invalid_request" and "no tokens" in err.message
+    assert s.add_request(gen("next", [1, 2, 3], 4)) is None
+    assert tokens_of(run_to_completion(s)["next"]) == reference_tokens([1, 2, 3], 4)
+
+
+def test_output_top_logprobs_are_bounded_in_all():
+    """top_logprobs_num x max_new_tokens lists are kept until a request ends: bounded, as the
+    prompt's are, naming the field; just inside the bound is served."""
+    s = make_scheduler(pool=8192, context=8192)
+    most = MAX_OUTPUT_TOP_LOGPROBS // 256
+
+    def with_logprobs(rid: str, max_new: int, top: int) -> TokenizedGenerateReq:
+        return TokenizedGenerateReq(
+            rid, [1, 2], SamplingParams(max_new_tokens=max_new), True, True, top
+        )
+
+    err = s.add_request(with_logprobs("over", most + 1, 256))
+    assert err is not None and err.code == "invalid_request"
+    assert err.message.startswith("top_logprobs_num") and "max_new_tokens" in err.message
+    assert s.add_request(with_logprobs("ok", most, 256)) is None
+    # The clip to the context counts, not the number asked for.
+    assert s.add_request(with_logprobs("clipped", 10**6, 8)) is None
+
+
+def test_the_new_token_ratio_starts_afresh_when_idle():
+    """Retractions raise the reserve's estimate and decode steps decay it; a burst after an idle
+    spell starts from the first estimate (as SGLang), not from the last burst's history."""
+    s = make_scheduler(pool=600, running=32, budget=256, chunk=128)
+    rng = random.Random(3)
+    for i in range(16):
+        s.add_request(gen(f"r{i}", prompt(rng, rng.randrange(20, 120)), 60))
+    run_to_completion(s)
+    assert s.stats.num_retractions > 0 and s.new_token_ratio.value != NewTokenRatio().value
+    assert s.step() is None
+    assert s.new_token_ratio == NewTokenRatio()
+
+
 def test_max_new_tokens_past_context_stops_at_context():
     s = make_scheduler(context=50)
     p = list(range(1, 41))
@@ -138,6 +181,7 @@ def test_max_new_tokens_past_context_is_admitted_even_with_a_pessimistic_reserve
     s.new_token_ratio.value = 1.0  # as after retractions: reserve every future token
     p = list(range(1, 11))
     assert s.add_request(gen("a", p, 1000)) is None
+    assert s.step() is not None  # admitted at once, under that reserve
     outs = run_to_completion(s, max_steps=200)["a"]
     assert tokens_of(outs) == reference_tokens(p, 54)
     assert outs[-1].finished_reason.type == "length"
