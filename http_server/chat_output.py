@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.http_server.reasoning_parser import ReasoningParser
-from radixserve.http_server.tool_parser import CallDelta, ToolCallParser, merge_calls
+from radixserve.http_server.tool_parser import CallDelta, ToolCallParser, chunk_calls, merge_calls
 
 
 class ChatOutput:
@@ -27,7 +27,7 @@ class ChatOutput:
         if content:
             delta["content"] = content
         if calls:
-            delta["tool_calls"] = [call.as_json() for call in calls]
+            delta["tool_calls"] = chunk_calls(calls)
         return delta
 
     def message(self, text: str) -> dict[str, Any]:

@@ -53,12 +53,15 @@ class HttpError(Exception):
         return cls(reply.code, reply.message)
 
 
+# The wire's codes that OpenAI names otherwise (clients trim a conversation on this one).
+_OPENAI_CODE = {"too_long": "context_length_exceeded"}
+
+
 def error_body(error: HttpError) -> dict[str, Any]:
     status = STATUS[error.code]
     kind = _ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {
-        "error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}
-    }
+    code = _OPENAI_CODE.get(error.code, error.code)
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": code}}
 
 
 def error_response(error: HttpError) -> Response:

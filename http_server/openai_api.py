@@ -33,6 +33,7 @@ from radixserve.http_server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
+    RequestT,
 )
 from radixserve.http_server.tool_parser import ForcedCalls, ToolCallParser, tool_call_parser
 from radixserve.protocol.wire import GenerateRequest, OutputReply
@@ -88,8 +89,6 @@ class OpenAIApi:
         self.model_name = model_name
         self.context_length = context_length
         self.created = int(time.time())
-        self._completion = msgspec.json.Decoder(CompletionRequest)
-        self._chat = msgspec.json.Decoder(ChatCompletionRequest)
         args = front.manager.args
         self.tool_call_parser = args.tool_call_parser
         self.reasoning_parser = args.reasoning_parser
@@ -110,8 +109,7 @@ class OpenAIApi:
         return json_response({"object": "list", "data": [model]})
 
     async def completions(self, request: Request) -> Response:
-        req = await self._decode(request, self._completion)
-        assert isinstance(req, CompletionRequest)
+        req = await self._decode(request, CompletionRequest)
         tokenization = self.front.manager.tokenization
         prompts = _checked(protocol.prompts, req.prompt)
 
@@ -133,8 +131,7 @@ class OpenAIApi:
         return await self._respond(request, req, generates, sent, _Choices(req.n, echoes, None))
 
     async def chat_completions(self, request: Request) -> Response:
-        req = await self._decode(request, self._chat)
-        assert isinstance(req, ChatCompletionRequest)
+        req = await self._decode(request, ChatCompletionRequest)
         _checked(protocol.check_tool_choice, req)
         messages = _checked(protocol.template_messages, req)
         kwargs = _checked(protocol.template_kwargs, req)
@@ -146,8 +143,8 @@ class OpenAIApi:
         # to split off, and a parser that waits for </think> would take all of it.
         constrained = generate.sampling_params.grammar is not None
         reasoning = self.reasoning_parser if req.separate_reasoning and not constrained else None
-        tools = self._tool_calls(req)
-        choices = _Choices(req.n, None, lambda: ChatOutput(reasoning, tools()))
+        tool_parser = self._tool_calls(req)
+        choices = _Choices(req.n, None, lambda: ChatOutput(reasoning, tool_parser()))
         return await self._respond(request, req, [generate], sent, choices)
 
     def _limits(self) -> tuple[int, int]:
@@ -166,22 +163,24 @@ class OpenAIApi:
             return lambda: None
         return lambda: tool_call_parser(parser)
 
-    async def _decode(self, request: Request, decoder: msgspec.json.Decoder) -> Any:
-        req = await self._decoded(request, decoder)
+    async def _decode(self, request: Request, kind: type[RequestT]) -> RequestT:
+        req = await self._decoded(request, kind)
+        _checked(protocol.check_stream_options, req)
         _checked(protocol.check_token_ids, req, self.front.manager.tokenization.vocab_size)
         return req
 
-    async def _decoded(self, request: Request, decoder: msgspec.json.Decoder) -> Any:
+    async def _decoded(self, request: Request, kind: type[RequestT]) -> RequestT:
         self.front.authorize(request)
         body = await self.front.body(request)
         try:
-            req = decoder.decode(body)
+            req = protocol.decode_request(body, kind)
         except msgspec.ValidationError as e:
             raise HttpError("invalid_request", str(e), protocol.field_of(e)) from None
         except (msgspec.DecodeError, RecursionError) as e:
             message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise HttpError("invalid_request", message) from None
-        if req.model != self.model_name:
+        # No model named: the one served, as vLLM takes it.
+        if req.model is not None and req.model != self.model_name:
             raise HttpError("not_found", f"the model {req.model!r} does not exist", "model")
         return req
 
@@ -197,43 +196,44 @@ class OpenAIApi:
         generates = [fill_sampling_defaults(g, sent, defaults) for g in generates]
         outputs = self.front.outputs(request, generates)
         chat = choices.chat_output is not None
-        rid = out.new_id("chatcmpl" if chat else "cmpl")
+        head = out.new_head(self.model_name, chat)
         if req.stream:
             first = await anext(outputs, None)  # an error before any output is an HTTP status
-            events = self._events(rid, choices, req.include_usage, first, outputs)
+            events = self._events(head, choices, req.include_usage, first, outputs)
             return StreamingResponse(events, media_type="text/event-stream")
         usage, bodies = out.Usage(), []
         async for reply in outputs:
             usage.add_final(reply)
             bodies.append(choices.whole(reply, await self._logprobs(reply, chat)))
         bodies.sort(key=lambda c: c["index"])
-        return json_response(out.completion_body(rid, self.model_name, bodies, usage, chat))
+        return json_response(out.completion_body(head, bodies, usage))
 
     async def _events(
         self,
-        rid: str,
+        head: out.Head,
         choices: _Choices,
         include_usage: bool,
         first: OutputReply | None,
         rest: AsyncIterator[OutputReply],
     ) -> AsyncIterator[bytes]:
         usage, started = out.Usage(), set()
-        chat = choices.chat_output is not None
         try:
             replies = rest if first is None else _chain(first, rest)
             async for reply in replies:
                 index = out.choice_index(reply, choices.n)
-                logprobs = await self._logprobs(reply, chat)
+                logprobs = await self._logprobs(reply, head.chat)
                 piece = choices.piece(reply, index not in started, logprobs)
                 started.add(index)
-                yield sse(out.chunk_body(rid, self.model_name, [piece], chat))
+                if _says_nothing(piece):
+                    continue  # a parser holds the text back (a tool call being written)
+                yield sse(out.chunk_body(head, [piece]))
                 if reply.finished:
                     usage.add_final(reply)
         except HttpError as e:
             yield sse(error_body(e))
         else:
             if include_usage:
-                yield sse(out.chunk_body(rid, self.model_name, [], chat, usage))
+                yield sse(out.chunk_body(head, [], usage))
         yield SSE_DONE
 
     async def _logprobs(self, reply: OutputReply, chat: bool) -> dict[str, Any] | None:
@@ -243,6 +243,11 @@ class OpenAIApi:
         unique = list(dict.fromkeys(ids))
         texts = dict(zip(unique, await self.front.manager.tokenization.token_texts_async(unique)))
         return out.chat_logprobs(reply, texts) if chat else out.completion_logprobs(reply, texts)
+
+
+def _says_nothing(piece: dict[str, Any]) -> bool:
+    """A chat chunk's choice with no delta, no logprobs and no finish: vLLM sends none."""
+    return piece.get("delta") == {} and piece["finish_reason"] is None and not piece["logprobs"]
 
 
 def _checked(convert: Callable[..., Any], *args: Any) -> Any:

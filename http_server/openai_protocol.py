@@ -11,7 +11,7 @@ import functools
 import inspect
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -28,6 +28,7 @@ from radixserve.protocol.wire import (
     StopTokenIds,
     check_grammar,
     check_in_vocabulary,
+    check_output_top_logprobs,
     check_prompt_top_logprobs,
 )
 
@@ -54,16 +55,40 @@ class BadField(ValueError):
         self.param, self.code = param, code
 
 
-_AT_FIELD = re.compile(r"at `\$\.(\w+)|unknown field `(\w+)`")
+_AT_PATH = re.compile(r"at `\$\.(\w+)")
+_UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
 
 
 def field_of(error: msgspec.ValidationError) -> str | None:
-    """The top-level field a decoding error is about, from msgspec's message."""
-    match = _AT_FIELD.search(str(error))
-    return None if match is None else match.group(1) or match.group(2)
+    """The top-level field a decoding error is about, from msgspec's message: its path's first
+    step where it has one (an error inside `messages` names `messages`)."""
+    match = _AT_PATH.search(str(error)) or _UNKNOWN_FIELD.search(str(error))
+    return None if match is None else match.group(1)
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+RequestT = TypeVar("RequestT", bound="_OpenAIRequest")
+
+
+def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
+    """A request body as `kind`. A top-level null is the field's default: OpenAI's fields are
+    "... or null", and its SDKs send an argument given as None as an explicit null. (Nulls
+    dropped, the body is decoded as it came: JSON's own rules, its object keys as strings.)"""
+    if b"null" in body:
+        raw = msgspec.json.decode(body)
+        if isinstance(raw, dict) and None in raw.values():
+            body = msgspec.json.encode({k: v for k, v in raw.items() if v is not None})
+    return _decoder(kind).decode(body)
+
+
+@functools.cache
+def _decoder(kind: type[RequestT]) -> msgspec.json.Decoder[RequestT]:
+    return msgspec.json.Decoder(kind)
+
+
+# The objects inside a request take fields beyond ours, as vLLM's and SGLang's do: OpenAI's own
+# (a message's `refusal`, `audio`, `annotations`, which its SDKs write back into the history),
+# or a later API's. Only the request's own fields are checked by name.
+class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
@@ -80,7 +105,7 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class _OpenAIRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: str
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -123,18 +148,18 @@ class CompletionRequest(_OpenAIRequest):
     echo: bool = False
 
 
-class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+class FunctionCall(msgspec.Struct):
     name: Name
     arguments: str  # JSON text, as OpenAI's
 
 
-class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+class ToolCall(msgspec.Struct):
     id: Name
     function: FunctionCall
     type: Literal["function"] = "function"
 
 
-class Message(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class Message(msgspec.Struct, omit_defaults=True):
     """A message of the conversation: `content` a text or a list of parts (text only)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -247,6 +272,12 @@ def _first_named(message: str) -> str:
     return message.split(" ", 1)[0].replace("max_new_tokens", "max_tokens")
 
 
+def check_stream_options(req: _OpenAIRequest) -> None:
+    """stream_options only with stream: true (OpenAI's 400, and vLLM's)."""
+    if req.stream_options is not None and not req.stream:
+        raise BadField("stream_options", "stream_options is only allowed with stream: true")
+
+
 def check_token_ids(req: _OpenAIRequest, vocab_size: int) -> None:
     """Token ids the request names (logit_bias, stop_token_ids) are in the vocabulary."""
     for field, ids in (
@@ -260,20 +291,26 @@ def check_token_ids(req: _OpenAIRequest, vocab_size: int) -> None:
 
 
 def max_new_tokens(
-    requested: int | None, default: int | None, prompt: int, limits: tuple[int, int]
+    requested: int | None,
+    default: int | None,
+    prompt: int,
+    limits: tuple[int, int],
+    field: str = "max_tokens",
 ) -> int:
-    """The output's length limit: max_tokens when given, and then prompt + it must fit the
-    context (a 400, as vLLM's); else `default`, else what the context and the KV pool leave (as
-    vLLM and SGLang do for chat). `limits`: (context length, KV pool tokens)."""
+    """The output's length limit: `requested` (the request's `field`) when given, and then
+    prompt + it must fit the context (a 400, in vLLM's words); else `default`, else what the
+    context and the KV pool leave (as vLLM and SGLang do for chat). `limits`: (context length,
+    KV pool tokens)."""
     context, kv_tokens = limits
     room = max(context - prompt, 0)  # none: the scheduler refuses the prompt (too_long)
     if requested is None:
         return max(min(context, kv_tokens) - prompt, 0) if default is None else default
     if requested > room:
         raise BadField(
-            "max_tokens",
-            f"this model's context length is {context} tokens; the prompt has {prompt} and "
-            f"max_tokens asks for {requested} more",
+            field,
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{prompt + requested} tokens ({prompt} in the prompt, {requested} in the "
+            f"completion: {field}). Please reduce the length of the prompt or the completion.",
             "too_long",
         )
     return requested
@@ -343,6 +380,7 @@ def completion_generates(
             except ValueError as e:
                 raise BadField("logprobs", str(e)) from None
         limit = max_new_tokens(req.max_tokens, COMPLETIONS_MAX_TOKENS, len(ids), limits)
+        _check_output_top_logprobs("logprobs", top, limit, "max_tokens")
         params, sent = sampling_params(req, limit)
         generate = GenerateRequest(
             rid=str(i),
@@ -364,8 +402,10 @@ def chat_generate(
     top = _logprobs_count("top_logprobs", req.top_logprobs)
     if top and not req.logprobs:
         raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
-    requested = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-    limit = max_new_tokens(requested, None, len(input_ids), limits)
+    # OpenAI's newer name first, as vLLM reads them.
+    field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+    limit = max_new_tokens(getattr(req, field), None, len(input_ids), limits, field)
+    _check_output_top_logprobs("top_logprobs", top, limit, field)
     params, sent = sampling_params(req, limit)
     generate = GenerateRequest(
         rid="0",
@@ -463,6 +503,13 @@ def prompts(prompt: str | list[Any]) -> list[Any]:
             raise BadField("prompt", f"prompt: at most {MAX_PROMPTS} prompts in one request")
         return converted
     raise BadField("prompt", "prompt must be a string, a list of token ids, or a list of either")
+
+
+def _check_output_top_logprobs(field: str, top: int, limit: int, length_field: str) -> None:
+    try:
+        check_output_top_logprobs(field, top, limit, length_field)
+    except ValueError as e:
+        raise BadField(field, str(e)) from None
 
 
 def _logprobs_count(field: str, value: int | None) -> int:

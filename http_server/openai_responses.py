@@ -11,8 +11,20 @@ from typing import Any
 from radixserve.protocol.wire import OutputReply
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+@dataclass(frozen=True, slots=True)
+class Head:
+    """What a response's body, or each of its chunks, repeats: one id and one creation time
+    for the whole stream, as OpenAI's."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+
+
+def new_head(model: str, chat: bool) -> Head:
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    return Head(rid, int(time.time()), model, chat)
 
 
 @dataclass(slots=True)
@@ -108,13 +120,13 @@ def logprob_token_ids(reply: OutputReply) -> list[int]:
 
 
 def completion_body(
-    rid: str, model: str, choices: list[dict[str, Any]], usage: Usage | None, chat: bool
+    head: Head, choices: list[dict[str, Any]], usage: Usage | None
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
+        "id": head.id,
+        "object": "chat.completion" if head.chat else "text_completion",
+        "created": head.created,
+        "model": head.model,
         "choices": choices,
     }
     if usage is not None:
@@ -123,10 +135,10 @@ def completion_body(
 
 
 def chunk_body(
-    rid: str, model: str, choices: list[dict[str, Any]], chat: bool, usage: Usage | None = None
+    head: Head, choices: list[dict[str, Any]], usage: Usage | None = None
 ) -> dict[str, Any]:
-    body = completion_body(rid, model, choices, usage, chat)
-    body["object"] = "chat.completion.chunk" if chat else "text_completion"
+    body = completion_body(head, choices, usage)
+    body["object"] = "chat.completion.chunk" if head.chat else "text_completion"
     return body
 
 

@@ -236,11 +236,10 @@ class ForcedCalls:
 
 
 def _whole_calls(calls: list[tuple[str, str]]) -> Parsed:
-    """Complete calls (name, arguments' JSON) as the deltas of a call's first and only chunk."""
-    out = Parsed()
-    for index, (name, arguments) in enumerate(calls):
-        out.calls += [CallDelta(index, "", new_call_id(), name), CallDelta(index, arguments)]
-    return out
+    """Complete calls (name, arguments' JSON), each one delta: its first and only one."""
+    return Parsed(
+        calls=[CallDelta(i, args, new_call_id(), name) for i, (name, args) in enumerate(calls)]
+    )
 
 
 ToolCallParser = _Qwen25 | _Llama3 | ForcedCalls
@@ -265,6 +264,22 @@ def merge_calls(deltas: list[CallDelta]) -> list[dict[str, Any]]:
             call["id"], call["function"]["name"] = delta.id, delta.name
         call["function"]["arguments"] += delta.arguments
     return [calls[i] for i in sorted(calls)]
+
+
+def chunk_calls(deltas: list[CallDelta]) -> list[dict[str, Any]]:
+    """A stream chunk's deltas, one entry a call: a call's name and the start of its arguments
+    can come in one piece of text, and OpenAI's clients take each index once a chunk (an older
+    openai-python kept the first entry and dropped the arguments of the second)."""
+    calls: dict[int, CallDelta] = {}
+    for delta in deltas:
+        call = calls.get(delta.index)
+        if call is None:
+            calls[delta.index] = CallDelta(delta.index, delta.arguments, delta.id, delta.name)
+            continue
+        call.arguments += delta.arguments
+        if delta.id is not None:
+            call.id, call.name = delta.id, delta.name
+    return [call.as_json() for call in calls.values()]
 
 
 def parse_tool_calls(name: str, text: str) -> tuple[str, list[dict[str, Any]]]:

@@ -150,7 +150,9 @@ def test_errors_have_openais_shape_and_status(oai, model, server):
     too_long = httpx.post(
         f"{server.http_url}/generate", json={"input_ids": [5] * 2000, "stream": True}
     )
-    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "too_long"
+    error = too_long.json()["error"]
+    assert too_long.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert "maximum context length" in error["message"]
 
 
 def test_native_endpoints(server, zmq_client):

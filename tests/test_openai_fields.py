@@ -17,6 +17,7 @@ from radixserve.client.local_server import LaunchedServer, launched_server
 NAME = "tiny-served"
 CONTEXT = 192
 CHAT = [{"role": "user", "content": "Hi there"}]
+IGNORE_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +153,59 @@ def test_max_tokens_against_the_context(oai):
         lambda: oai.chat.completions.create(model=NAME, messages=CHAT, max_tokens=CONTEXT),
         "max_tokens",
     )
-    assert error["code"] == "too_long" and str(CONTEXT) in error["message"]
+    # OpenAI's code and words, which clients match to trim a conversation.
+    assert error["code"] == "context_length_exceeded"
+    assert f"maximum context length is {CONTEXT} tokens" in error["message"]
     refused(
         lambda: oai.completions.create(model=NAME, prompt="Hi", max_tokens=CONTEXT), "max_tokens"
+    )
+    # max_completion_tokens, OpenAI's newer name, wins over max_tokens (as vLLM reads them).
+    newer = oai.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=2, max_completion_tokens=3, extra_body=IGNORE_EOS
+    )
+    assert newer.usage.completion_tokens == 3
+    refused(
+        lambda: oai.chat.completions.create(
+            model=NAME, messages=CHAT, max_tokens=2, max_completion_tokens=CONTEXT
+        ),
+        "max_completion_tokens",
+    )
+
+
+def test_null_is_a_fields_default(oai, server):
+    """OpenAI's fields are "... or null", and its SDK sends an argument given as None as null."""
+    chat = oai.chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=2, n=None, stream=None, logprobs=None, seed=None
+    )
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    text = oai.completions.create(model=NAME, prompt="Hi", max_tokens=2, echo=None, n=None)
+    assert len(text.choices) == 1 and not text.choices[0].text.startswith("Hi")
+    # No model named: the one served (as vLLM).
+    body = {"messages": CHAT, "max_tokens": 2, "model": None}
+    reply = httpx.post(f"{server.http_url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200 and reply.json()["model"] == NAME
+
+
+def test_stream_options(oai):
+    """Fields of OpenAI's (and vLLM's) inside stream_options are taken; stream_options without
+    stream is OpenAI's 400; every chunk of a stream has one id and one creation time."""
+    chunks = list(
+        oai.chat.completions.create(
+            model=NAME,
+            messages=CHAT,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True, "include_obfuscation": False},
+            extra_body=IGNORE_EOS,
+        )
+    )
+    assert chunks[-1].usage.completion_tokens == 4 and not chunks[-1].choices
+    assert len({(c.id, c.created) for c in chunks}) == 1
+    refused(
+        lambda: oai.chat.completions.create(
+            model=NAME, messages=CHAT, max_tokens=2, stream_options={"include_usage": True}
+        ),
+        "stream_options",
     )
 
 
@@ -288,7 +339,7 @@ def test_a_default_max_tokens_fits_the_kv_pool_as_well_as_the_context():
     assert max_new_tokens(None, None, 100, (4096, 1 << 20)) == 3996
     assert max_new_tokens(None, 16, 100, (4096, 200)) == 16
     assert max_new_tokens(3000, None, 100, (4096, 200)) == 3000  # the scheduler says too_long
-    with pytest.raises(BadField, match="context length is 4096"):
+    with pytest.raises(BadField, match="maximum context length is 4096 tokens"):
         max_new_tokens(4000, None, 100, (4096, 1 << 20))
 
 

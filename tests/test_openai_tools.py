@@ -58,8 +58,13 @@ HISTORY = [
         "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Lyon?"}],
     },
     {
+        # As OpenAI's SDK writes its own reply back into the history: its fields beyond ours.
         "role": "assistant",
         "content": None,
+        "refusal": None,
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
         "tool_calls": [
             {
                 "id": "call_1",
@@ -96,9 +101,11 @@ def detokenized_pieces(model_dir: Path, text: str) -> list[tuple[int, str]]:
     return pieces
 
 
-async def serve_one(model_dir: Path, stream: bool, **create: Any) -> tuple[Any, str]:
+async def serve_one(
+    model_dir: Path, stream: bool, whole: bool = False, **create: Any
+) -> tuple[Any, str]:
     """The SDK's answer to one chat request, the scheduler's part played by the test; and the
-    prompt the template rendered."""
+    prompt the template rendered. The output comes token by token, or (whole) in one piece."""
     async with tokenizer_manager(
         model_dir, tool_call_parser="qwen25", reasoning_parser="qwen3"
     ) as h:
@@ -117,6 +124,9 @@ async def serve_one(model_dir: Path, stream: bool, **create: Any) -> tuple[Any, 
         assert isinstance(msg, TokenizedGenerateReq)
         prompt = AutoTokenizer.from_pretrained(model_dir).decode(msg.input_ids)
         pieces = detokenized_pieces(model_dir, OUTPUT)
+        if whole:
+            await h.output(msg.rid, [t for t, _ in pieces], FinishReason("stop", 0), text=OUTPUT)
+            return await asyncio.wait_for(task, 30), prompt
         for k, (token, text) in enumerate(pieces):
             end = FinishReason("stop", 0) if k == len(pieces) - 1 else None
             await h.output(msg.rid, [token], end, text=text)
@@ -152,8 +162,8 @@ def test_streamed_tool_call_id_and_name_then_arguments(model_dir):
         for call in delta.tool_calls or []:
             if call.id is not None:  # a call's first delta: its id, type and name
                 assert call.index == len(calls) and call.function.name == "get_weather"
-                assert call.type == "function" and not call.function.arguments
-                calls.append({"id": call.id, "arguments": ""})
+                assert call.type == "function"
+                calls.append({"id": call.id, "arguments": call.function.arguments})
             else:
                 assert call.function.name is None
                 calls[call.index]["arguments"] += call.function.arguments
@@ -163,3 +173,21 @@ def test_streamed_tool_call_id_and_name_then_arguments(model_dir):
     assert len(calls) == 1 and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
     # The tags came split over several pieces, as the tokenizer cut them.
     assert len(chunks) > 10
+    # While the parsers held a tag's pieces back, no chunk went out empty (as vLLM's).
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        assert choice.delta.model_dump(exclude_none=True) or choice.finish_reason, chunk
+
+
+def test_a_call_written_in_one_piece_streams_as_one_entry_a_chunk(model_dir):
+    """Name and arguments parsed from one piece of text: one tool_calls entry for the call in
+    that chunk (an older openai-python kept only the first of two with the same index)."""
+    chunks, _ = asyncio.run(serve_one(model_dir, True, whole=True))
+    entries = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or []]
+    for chunk in chunks:
+        indexes = [call.index for call in chunk.choices[0].delta.tool_calls or []]
+        assert len(indexes) == len(set(indexes)), chunk
+    (call,) = entries
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -1,6 +1,7 @@
 """Replies to clients: ZMQ clients' through the ROUTER (outbox.py), local (HTTP) clients' on
 their queues (local_client.py). Each reply goes to the client that asked, and only to it; a
-client that is gone or reads too slowly has its requests aborted, so their KV is freed at once.
+client found gone (by a reply to it: ZMQ tells of no peer sooner, so a request that is not
+streamed runs to its end) or reading too slowly has its requests aborted, their KV freed.
 """
 
 from __future__ import annotations
