@@ -15,6 +15,7 @@ code N)".
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import ipaddress
 import json
@@ -45,6 +46,8 @@ from radixserve.server_args import RankPlacement, ServerArgs, parse_server_args,
 
 logger = logging.getLogger("radixserve")
 
+# As SGLang's SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN: a context past the model's positions.
+ALLOW_LONG_CONTEXT_ENV = "RADIXSERVE_ALLOW_LONG_CONTEXT"
 READY_TIMEOUT_S = 600  # a large model on a slow disk takes minutes to load
 WATCH_INTERVAL_S = 0.5  # how often the heartbeats are read
 DRAIN_MARGIN_S = 15  # beyond --shutdown-timeout: aborting, and delivering the last replies
@@ -54,7 +57,9 @@ DRAIN_MARGIN_S = 15  # beyond --shutdown-timeout: aborting, and delivering the l
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class Shutdown(Exception):
+# A BaseException, as KeyboardInterrupt is: a library's `except Exception` (huggingface_hub's
+# retry offline, say) must not swallow a Ctrl-C and start the server anyway.
+class Shutdown(BaseException):
     pass
 
 
@@ -238,7 +243,24 @@ def local_placements(args: ServerArgs) -> list[RankPlacement]:
 def check_fit(args: ServerArgs, model_path: str) -> str | None:
     """Why these flags do not fit the model or this machine, or None: checked before any
     process starts, so that a mistake is one line, not a traceback from each child."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"{model_path}: its config.json cannot be read ({e})"
+    if not isinstance(config, dict):
+        return f"{model_path}: its config.json is not a JSON object"
+    longest = config.get("max_position_embeddings")
+    if (
+        args.context_length is not None
+        and isinstance(longest, int)
+        and args.context_length > longest
+        and os.environ.get(ALLOW_LONG_CONTEXT_ENV) != "1"
+    ):
+        return (
+            f"--context-length {args.context_length} is past the model's "
+            f"max_position_embeddings ({longest}): positions it was never trained on give "
+            f"garbage (set {ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway)"
+        )
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
     tp = args.tp_size
@@ -254,25 +276,30 @@ def check_fit(args: ServerArgs, model_path: str) -> str | None:
             f"--dp-size {args.dp_size} x --tp-size {args.tp_size} is {processes} model processes "
             f"on this node, which has {cores} cores"
         )
+    if args.node_rank > 0:
+        return None  # only the first node binds the client ports
     ports = [("--port", args.port)] + ([("--http-port", args.http_port)] if args.http_port else [])
     for flag, port in ports:
-        if not _port_free(args.host, port):
-            return f"{flag} {port} is in use on {args.host}"
+        refusal = _bind_refusal(args.host, port)
+        if refusal is not None:
+            return f"{flag} {port} on --host {args.host}: {refusal}"
     return None
 
 
-def _port_free(host: str, port: int) -> bool:
+def _bind_refusal(host: str, port: int) -> str | None:
+    """Why the server could not bind host:port (in use, not an address of this machine, a
+    privileged port, a host that does not resolve), or None."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except OSError:
-        return True  # a host that does not resolve: the bind reports it
+    except OSError as e:
+        return f"the host does not resolve ({e.strerror or e})"
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ and uvicorn bind
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as e:
+            return "in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+    return None
 
 
 def _warn_if_reachable(args: ServerArgs) -> None:

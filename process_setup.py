@@ -21,7 +21,7 @@ import setproctitle
 # Its home is model_worker, whose loader calls it too; the scheduler takes it from here.
 from radixserve.model_worker.host_memory import release_freed_memory as release_freed_memory
 from radixserve.protocol.internal import ProcessReady
-from radixserve.server_args import ServerArgs
+from radixserve.server_args import ServerArgs, usable_cores
 
 _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters, glibc's malloc.h
@@ -84,7 +84,7 @@ def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1
     # cores with the model.
     import torch
 
-    torch.set_num_threads(torch_threads or os.cpu_count() or 1)
+    torch.set_num_threads(torch_threads or usable_cores())
 
 
 # oneDNN (the CPU linears on reordered weights, packed_linear.py) keeps a compiled primitive, and

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import typing
 from typing import NoReturn
 
@@ -87,7 +88,15 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
         if self.num_threads is not None:
             return self.num_threads
         processes = self.dp_size * self.tp_size // self.nnodes
-        return max(1, (os.cpu_count() or 1) // processes)
+        return max(1, usable_cores() // processes)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset),
+    which os.cpu_count() does not see."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class RankPlacement(msgspec.Struct, frozen=True, kw_only=True):
@@ -290,6 +299,8 @@ def check_server_args(args: ServerArgs) -> str | None:
             return f"{flag} must be at least {least}, not {value}"
         if greatest is not None and value > greatest:
             return f"{flag} must be at most {greatest}, not {value}"
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device) is None:
+        return f"--device must be auto, cpu, cuda or cuda:N, not {args.device!r}"
     if args.chunked_prefill_size == 0:
         return "--chunked-prefill-size must be -1 (no chunking) or at least 1, not 0"
     if args.http_port == args.port:
@@ -317,21 +328,34 @@ def check_parallel_args(args: ServerArgs) -> str | None:
     return None
 
 
+# Other spellings of a flag that users of SGLang or vLLM type: the same flag.
+_ALIASES = {
+    "model": ("--model-path",),  # SGLang's
+    "context_length": ("--max-model-len",),  # vLLM's
+    "tp_size": ("--tensor-parallel-size",),  # vLLM's
+    "dp_size": ("--data-parallel-size",),  # vLLM's
+    "random_seed": ("--seed",),  # vLLM's
+}
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, named as SGLang names it (--max-total-tokens, ...)."""
+    """One flag per field, named as SGLang names it (--max-total-tokens, ...), and the other
+    spellings of _ALIASES."""
     for field in msgspec.structs.fields(ServerArgs):
         flag = "--" + field.name.replace("_", "-")
+        flags = (flag, *_ALIASES.get(field.name, ()))
         default = field.default
         help_text = _HELP.get(field.name)  # None when missing: tests/test_launch.py catches it
         if help_text is not None and default is not None:
             help_text += " (default: off)" if default is False else " (default: %(default)s)"
         if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true", help=help_text)
+            parser.add_argument(*flags, action="store_true", help=help_text)
             continue
         # An optional field's None means "derive it" (or "off"); its flag takes the other type.
         kind = type(default) if default is not None else typing.get_args(field.type)[0]
         parser.add_argument(
-            flag,
+            *flags,
+            dest=field.name,
             type=kind,
             default=default,
             choices=_CHOICES.get(field.name),
@@ -413,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
 _RENAMED_FLAGS = {
     "--attention-backend": "--kernels (it picks every kernel of the forward, not attention's "
     "alone; cpu_attn is cpu_extension)",
+    "--torch-threads": "--num-threads",
 }
 
 

@@ -3,6 +3,7 @@ starting. Real processes, and no server ever gets ready here."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -189,7 +190,49 @@ def test_flags_that_do_not_fit_the_model_or_machine_are_one_line_and_exit_2():
         taken.listen()
         port = taken.getsockname()[1]
         out = launch("--http-port", str(port))
-    assert out.returncode == 2 and f"--http-port {port} is in use on 127.0.0.1" in out.stderr
+    assert out.returncode == 2 and f"--http-port {port} on --host 127.0.0.1: in use" in out.stderr
+
+
+def test_a_context_past_the_models_a_config_it_cannot_read_a_host_or_device_it_cannot_use(
+    tmp_path: Path,
+):
+    """One line and exit 2 before any process starts, as SGLang and vLLM refuse them (a context
+    past the model's positions gives garbage; an address not of this machine was "in use")."""
+    from radixserve.model_worker.model_source import DEFAULT_MODEL, resolve_model_path
+
+    config = json.loads((Path(resolve_model_path(DEFAULT_MODEL)) / "config.json").read_text())
+    longest = config["max_position_embeddings"]
+    out = launch("--context-length", str(longest + 1))
+    assert out.returncode == 2 and f"max_position_embeddings ({longest})" in out.stderr
+    assert "RADIXSERVE_ALLOW_LONG_CONTEXT=1" in out.stderr and out.stderr.count("\n") == 1
+    (tmp_path / "config.json").write_text("{not json")
+    out = launch("--model", str(tmp_path))
+    assert out.returncode == 2 and "config.json cannot be read" in out.stderr
+    out = launch("--host", "192.0.2.1")  # TEST-NET-1: never an address of this machine
+    assert out.returncode == 2 and "Cannot assign requested address" in out.stderr
+    assert "in use" not in out.stderr
+    out = launch("--device", "gpu")
+    assert out.returncode == 2 and "--device must be auto, cpu, cuda or cuda:N" in out.stderr
+
+
+def test_the_spellings_of_sglang_and_vllm_are_the_same_flags(capsys: pytest.CaptureFixture[str]):
+    spelled = parse_server_args(
+        ["--model-path", "m", "--max-model-len", "100", "--tensor-parallel-size", "1"]
+        + ["--data-parallel-size", "1", "--seed", "7"]
+    )
+    assert (spelled.model, spelled.context_length, spelled.random_seed) == ("m", 100, 7)
+    assert "--torch-threads is now --num-threads" in refusal(capsys, "--torch-threads", "2")
+
+
+def test_threads_follow_the_cpu_affinity():
+    """Under taskset or a container's cpuset, os.cpu_count() still counts the host's cores."""
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from radixserve.server_args import parse_server_args; "
+        "print(parse_server_args([]).threads_per_model_process)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"
 
 
 def test_the_api_key_comes_from_the_environment_too():
