@@ -258,9 +258,11 @@ def _first(values: list[T] | None, n: int) -> list[T] | None:
 
 
 def _find_stop(text: str, stops: list[str]) -> tuple[int, str]:
-    """The earliest stop string in text (there is one): where it starts, and which."""
+    """The stop string in text (there is one) that ends first, as one streamed a character at
+    a time meets it, whatever the outputs' sizes: where it starts, and which. ("\n\nHuman:" and
+    "Human" in "yes\n\nHuman:": "Human", at the same text with speculation as without.)"""
     found = [(pos, stop) for stop in stops if (pos := text.find(stop)) != -1]
-    return min(found, key=lambda match: match[0])
+    return min(found, key=lambda match: (match[0] + len(match[1]), match[0]))
 
 
 def _text_end(out: ReqTokenOut, state: DecodeState) -> int:

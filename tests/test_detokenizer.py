@@ -290,6 +290,26 @@ def test_stop_string_split_across_streamed_chunks(tokenizer, stop_str):
     assert len(detok) == 0
 
 
+def test_overlapping_stop_strings_end_alike_at_any_output_size(tokenizer):
+    """Two stop strings that overlap: the one that ends first ends it, whether the tokens come
+    one a step or several in one output (speculation), with the same text, match and tokens."""
+    ids = tokenizer.encode("Answer: yes\n\nHuman: next", add_special_tokens=False)
+    stop = ("\n\nHuman:", "Human")
+    results = []
+    for sizes in ([1] * len(ids), [len(ids)]):
+        detok = IncrementalDetokenizer(tokenizer)
+        texts, kept, stops = [], [], []
+        for k, piece in enumerate(chunks(ids, iter(sizes))):
+            (out,), stops = detok.step([token_out("r", piece, stop=stop, first=k == 0)])
+            texts.append(out.text)
+            kept += out.new_token_ids
+            if stops:
+                break
+        results.append(("".join(texts), stops, kept))
+    assert results[0] == results[1]
+    assert results[0][:2] == ("Answer: yes\n\n", [StopReq("r", "Human")])
+
+
 def test_stop_string_in_the_final_output_ends_it_at_once(tokenizer):
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     (out,), stops = IncrementalDetokenizer(tokenizer).step(
