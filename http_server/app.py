@@ -39,6 +39,7 @@ def build_app(manager: TokenizerManager) -> Starlette:
         Route("/flush_cache", _errors(native.flush_cache), methods=["POST"]),
         Route("/metrics", _errors(native.metrics), methods=["GET"]),
         Route("/v1/models", _errors(openai.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _errors(openai.model), methods=["GET"]),
         Route("/v1/completions", _errors(openai.completions), methods=["POST"]),
         Route("/v1/chat/completions", _errors(openai.chat_completions), methods=["POST"]),
     ]

@@ -97,7 +97,19 @@ class OpenAIApi:
         """vLLM's model card; 503 until the model is loaded (vLLM is not listening by then)."""
         self.front.authorize(request)
         self.front.check_ready()
-        model = {
+        return json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        """One model's card by its name (OpenAI's `models.retrieve`)."""
+        self.front.authorize(request)
+        self.front.check_ready()
+        name = request.path_params["model"]
+        if name != self.model_name:
+            raise HttpError("not_found", f"the model {name!r} does not exist", "model")
+        return json_response(self._card())
+
+    def _card(self) -> dict[str, Any]:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
@@ -106,7 +118,6 @@ class OpenAIApi:
             "parent": None,
             "max_model_len": self.context_length,
         }
-        return json_response({"object": "list", "data": [model]})
 
     async def completions(self, request: Request) -> Response:
         req = await self._decode(request, CompletionRequest)

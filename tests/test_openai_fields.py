@@ -54,6 +54,8 @@ def refused(call, param: str, code: int = 400) -> dict:
 
 def test_served_model_name_and_the_fields_applications_send(oai):
     assert [m.id for m in oai.models.list().data] == [NAME]
+    assert oai.models.retrieve(NAME).id == NAME  # GET /v1/models/{name}
+    refused(lambda: oai.models.retrieve("other"), "model", 404)
     chat = oai.chat.completions.create(
         model=NAME,
         messages=[
