@@ -84,6 +84,45 @@ def test_overlap_flags_that_contradict_each_other_are_refused():
     assert "contradict" in out.stderr
 
 
+def test_ctrl_c_while_the_hub_is_asked_stops_the_start(tmp_path: Path):
+    """A Hub id that the local HF cache holds, and a Hub that never answers: a Ctrl-C while the
+    launcher waits on it ends the start. (huggingface_hub's own `except Exception`, which retries
+    from the cache, once took it and started the server from the cache.)"""
+    from radixserve.model_worker.model_source import default_model_dir
+
+    repo = tmp_path / "hub" / "models--radixserve-test--tiny"
+    revision = "0" * 40
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for item in default_model_dir().iterdir():
+        (snapshot / item.name).symlink_to(item)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    with socket.socket() as hub, tempfile.NamedTemporaryFile(suffix=".log") as log:
+        hub.bind(("127.0.0.1", 0))
+        hub.listen()
+        hub.settimeout(60)
+        env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+        env |= {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_ETAG_TIMEOUT": "120"}
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{hub.getsockname()[1]}"
+        argv = ["--model", "radixserve-test/tiny", "--port", str(free_port()), "--http-port", "0"]
+        proc = subprocess.Popen(
+            [sys.executable, "launch.py", *argv], cwd=REPO_ROOT, env=env, stdout=log, stderr=log
+        )
+        try:
+            asked, _ = hub.accept()  # the launcher waits on the Hub's answer now
+            with asked:
+                proc.send_signal(signal.SIGINT)
+                code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        text = Path(log.name).read_text()
+    assert code == 0 and "SIGINT received" in text, text
+    assert "is ready" not in text and "Traceback" not in text, text
+
+
 def test_ctrl_c_while_starting_stops_everything_without_a_traceback():
     port = free_port()
     with tempfile.NamedTemporaryFile(prefix="radixserve-test-", suffix=".log") as log:
