@@ -45,7 +45,7 @@ class Stopped:
 @dataclass(slots=True)
 class DecodeState:
     """One live request, from its first output (which carries `start`) to its final one: its
-    output ids and where its emitted text ends.
+    output ids, after the prompt's last few (start.context), and where its emitted text ends.
 
         ids:  [ emitted, no longer needed | emitted, context | not emitted yet ]
                                           ^ prefix_offset   ^ read_offset
@@ -64,7 +64,11 @@ class DecodeState:
 
     @classmethod
     def of(cls, start: ReqStart) -> DecodeState:
-        return cls(start, StopMatcher(start.stop) if start.stop else None)
+        """The prompt's last ids count as text already sent: the first output's text is what
+        they and it decode to beyond what they alone do (as SGLang and vLLM decode it)."""
+        matcher = StopMatcher(start.stop) if start.stop else None
+        context = list(start.context)
+        return cls(start, matcher, context, prefix_offset=0, read_offset=len(context))
 
     def windows(self, end: int) -> tuple[list[int], list[int]]:
         """The emitted context alone, and the context followed by the new ids up to `end`."""

@@ -84,6 +84,9 @@ class ReqStart(msgspec.Struct, array_like=True):
     cached_tokens: int  # from its first admission (only a final output can come before it)
     skip_special_tokens: bool
     stop: list[str]  # stop strings, which the detokenizer matches
+    # The prompt's last ids, which the output's first text is decoded after: a SentencePiece
+    # tokenizer drops a sequence's first "▁", so "▁Paris" alone would lose its space.
+    context: list[int] = []
 
 
 class ReqTokenOut(msgspec.Struct, array_like=True):

@@ -41,10 +41,19 @@ def _prompt_logprobs(
     return req.input_token_logprobs, req.input_top_logprobs if req.top_logprobs_num else None
 
 
+# Prompt ids the detokenizer decodes an output after (vLLM's first prefix offset).
+DETOKENIZE_CONTEXT = 5
+
+
 def _start(req: Req) -> ReqStart:
     params = req.sampling_params
+    prompt = req.origin_input_ids
     return ReqStart(
-        len(req.origin_input_ids), req.cached_tokens, params.skip_special_tokens, params.stop
+        len(prompt),
+        req.cached_tokens,
+        params.skip_special_tokens,
+        params.stop,
+        prompt[-DETOKENIZE_CONTEXT:],
     )
 
 

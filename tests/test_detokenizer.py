@@ -61,9 +61,10 @@ def token_out(
     skip_special_tokens: bool = True,
     stop: tuple[str, ...] = (),
     first: bool = True,
+    context: tuple[int, ...] = (),
 ) -> ReqTokenOut:
     """An output of request `rid`; its first carries what the request keeps (ReqStart)."""
-    start = ReqStart(3, 0, skip_special_tokens, list(stop)) if first else None
+    start = ReqStart(3, 0, skip_special_tokens, list(stop), list(context)) if first else None
     return ReqTokenOut(
         rid=rid,
         new_token_ids=ids,
@@ -151,6 +152,37 @@ def test_leading_spaces_come_from_the_previous_token():
     assert tokenizer.decode([2]) == "world"
     pieces = stream(IncrementalDetokenizer(tokenizer), "r", [[1], [2], [3], [2]])
     assert pieces == ["Hello", " world", "!", " world"]
+
+
+def test_the_first_token_keeps_its_space_after_the_prompt():
+    """After the prompt's last ids (ReqStart.context, as SGLang and vLLM decode), a
+    SentencePiece "▁Paris" is " Paris": the completion of "... is" reads "is Paris", not
+    "isParis"; streamed or whole alike."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁is": 3, "▁Paris": 4, ".": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    prompt = (1, 2, 3)
+    streamed = stream(IncrementalDetokenizer(tokenizer), "r", [[4], [5]], context=prompt)
+    assert streamed == [" Paris", "."]
+    (whole,), _ = IncrementalDetokenizer(tokenizer).step(
+        [token_out("w", [4, 5], LENGTH, context=prompt)]
+    )
+    assert whole.text == " Paris." and whole.new_token_ids == [4, 5]
+
+
+def test_a_byte_level_output_is_the_same_after_the_prompt(tokenizer):
+    """For a byte-level BPE the prompt's ids change nothing: the output's own decode, however it
+    is split (a prompt ending inside an emoji's tokens included)."""
+    prompt = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    ids = tokenizer.encode(TEXTS[1], add_special_tokens=False)
+    inside = next(k for k in range(1, len(prompt)) if tokenizer.decode(prompt[:k])[-1] == "\ufffd")
+    for context in (prompt[-5:], prompt[-1:], prompt[:inside][-5:]):
+        pieces = stream(IncrementalDetokenizer(tokenizer), "r", [[i] for i in ids], context=context)
+        assert "".join(pieces) == tokenizer.decode(ids)
 
 
 def test_all_at_once_equals_one_at_a_time(tokenizer):

@@ -79,6 +79,8 @@ def test_concurrent_requests_mix_prefill_and_decode():
     outs = run_to_completion(s)
     for rid, p in prompts.items():
         assert tokens_of(outs[rid]) == reference_tokens(p, 30), rid
+        # The detokenizer decodes the output after the prompt's last ids.
+        assert outs[rid][0].start.context == p[-5:], rid
     assert s.stats.num_mixed_steps > 0
 
 
