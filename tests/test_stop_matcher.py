@@ -43,3 +43,13 @@ def test_the_worst_case_of_the_quadratic_check_streams_one_character_at_a_time()
         assert not matcher.feed("a")
         assert matcher.pending == min(i + 1, 1023)
     assert matcher.feed("b")
+
+
+def test_requests_with_the_same_stop_strings_share_their_tables():
+    """n = 128 completions of 64 stop strings of 1,024 characters built 128 copies of each
+    table; one is built, and matching still starts afresh for each."""
+    stops = ["stop here " * 100, "\n\nHuman:"]
+    first, second = StopMatcher(stops), StopMatcher(stops)
+    assert all(a is b for a, b in zip(first.fallbacks, second.fallbacks))
+    assert first.feed("x\n\nHuman:") and not second.feed("\n\nHuman")
+    assert second.pending == len("\n\nHuman")
