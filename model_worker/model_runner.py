@@ -80,6 +80,8 @@ class ModelRunner:
             kv_slot_bytes += self.draft.kv_slot_bytes
         if max_total_tokens is None:
             max_total_tokens = self._kv_tokens_that_fit(kv_slot_bytes, mem_fraction_static)
+        elif device.type == "cpu":
+            max_total_tokens = _within_memory(max_total_tokens, kv_slot_bytes)
         # Every rank must agree, or their schedulers would hand out different slots.
         self.max_total_tokens = tp.min_int(max_total_tokens)
         self.kv_pool = TokenToKVPool(
@@ -204,3 +206,22 @@ class ModelRunner:
                 "--mem-fraction-static or set --max-total-tokens"
             )
         return tokens
+
+
+def _within_memory(tokens: int, kv_slot_bytes: int) -> int:
+    """--max-total-tokens on the CPU, at most what the memory available now holds: the pool's
+    pages are taken only as they are written, so a larger one starts, and the OOM killer ends
+    it once it fills (SGLang caps the flag at what fits, too)."""
+    available = meminfo_bytes("MemAvailable")
+    if tokens * kv_slot_bytes <= available:
+        return tokens
+    fits = max(1, available // kv_slot_bytes)
+    logger.warning(
+        "--max-total-tokens %d needs %.1f GB of KV, and %.1f GB of memory is available: the "
+        "KV pool holds %d tokens",
+        tokens,
+        tokens * kv_slot_bytes / 1e9,
+        available / 1e9,
+        fits,
+    )
+    return fits

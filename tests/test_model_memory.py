@@ -128,3 +128,26 @@ def test_the_lm_head_loads_first(tiny_model, caplog) -> None:
     assert loads[0].startswith(f"Loading weights (the LM head first): file {head_number}/")
     assert head_file in loads[0]
     assert "LM head" not in "".join(loads[1:])
+
+
+def test_a_kv_pool_past_the_memory_is_held_to_it(tiny_model, caplog) -> None:
+    """--max-total-tokens past what the memory holds: on the CPU the pool's pages are taken only
+    as written, so it would start, and the OOM killer would end it once full. It holds what the
+    available memory does, and says so."""
+    from radixserve.model_worker.host_memory import meminfo_bytes
+
+    path = tiny_model("llama")
+    asked = 10**12
+    with caplog.at_level(logging.WARNING, logger="radixserve.model_worker.model_runner"):
+        held = runner(path, torch.float32, None, max_total_tokens=asked)
+    slot = held.kv_pool.bytes_per_slot(
+        held.model_config.num_hidden_layers,
+        held.model_config.num_key_value_heads,
+        held.model_config.head_dim,
+        torch.float32,
+    )
+    assert 1 <= held.max_total_tokens < asked
+    assert held.max_total_tokens * slot <= 2 * meminfo_bytes("MemAvailable")
+    (warning,) = [r.getMessage() for r in caplog.records if "--max-total-tokens" in r.getMessage()]
+    assert f"the KV pool holds {held.max_total_tokens} tokens" in warning
+    assert runner(path, torch.float32, None, max_total_tokens=100).max_total_tokens == 100
