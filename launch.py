@@ -42,7 +42,13 @@ from radixserve.process_setup import (
     has_reported_ready,
 )
 from radixserve.protocol.internal import LauncherInput, ProcessFailed, ProcessReady
-from radixserve.server_args import RankPlacement, ServerArgs, parse_server_args, usage_error
+from radixserve.server_args import (
+    RankPlacement,
+    ServerArgs,
+    parse_server_args,
+    usable_cores,
+    usage_error,
+)
 
 logger = logging.getLogger("radixserve")
 
@@ -249,17 +255,17 @@ def check_fit(args: ServerArgs, model_path: str) -> str | None:
         return f"{model_path}: its config.json cannot be read ({e})"
     if not isinstance(config, dict):
         return f"{model_path}: its config.json is not a JSON object"
-    longest = config.get("max_position_embeddings")
+    longest = _trained_context(config)
     if (
         args.context_length is not None
-        and isinstance(longest, int)
+        and longest is not None
         and args.context_length > longest
         and os.environ.get(ALLOW_LONG_CONTEXT_ENV) != "1"
     ):
         return (
-            f"--context-length {args.context_length} is past the model's "
-            f"max_position_embeddings ({longest}): positions it was never trained on give "
-            f"garbage (set {ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway)"
+            f"--context-length {args.context_length} is past the model's context ({longest}, "
+            "its max_position_embeddings, times a linear RoPE scaling's factor): positions it "
+            f"was never trained on give garbage (set {ALLOW_LONG_CONTEXT_ENV}=1 to allow it anyway)"
         )
     heads = config.get("num_attention_heads", 1)
     kv_heads = config.get("num_key_value_heads") or heads
@@ -269,9 +275,9 @@ def check_fit(args: ServerArgs, model_path: str) -> str | None:
     if (kv_heads % tp) if kv_heads >= tp else (tp % kv_heads):
         return f"--tp-size {tp} and the model's {kv_heads} KV heads do not divide one another"
     processes = args.dp_size * args.tp_size // args.nnodes
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     on_cpu = args.device == "cpu" or (args.device == "auto" and not Path("/dev/nvidiactl").exists())
-    if on_cpu and cores is not None and processes > cores:
+    if on_cpu and processes > cores:
         return (
             f"--dp-size {args.dp_size} x --tp-size {args.tp_size} is {processes} model processes "
             f"on this node, which has {cores} cores"
@@ -284,6 +290,19 @@ def check_fit(args: ServerArgs, model_path: str) -> str | None:
         if refusal is not None:
             return f"{flag} {port} on --host {args.host}: {refusal}"
     return None
+
+
+def _trained_context(config: dict[str, Any]) -> int | None:
+    """The positions a model was trained for, as SGLang and vLLM derive them: a linear RoPE
+    scaling stretches max_position_embeddings by its factor (a llama3 config states the
+    stretched length itself)."""
+    longest = config.get("max_position_embeddings")
+    if not isinstance(longest, int):
+        return None
+    scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    factor = scaling.get("factor") if kind == "linear" else None
+    return int(longest * factor) if isinstance(factor, (int, float)) and factor > 1 else longest
 
 
 def _bind_refusal(host: str, port: int) -> str | None:

@@ -128,9 +128,9 @@ _HELP = {
     "on GPU",
     "device": "auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N",
     "context_length": "longest prompt + output in tokens (default: the model's "
-    "max_position_embeddings)",
+    "max_position_embeddings; more is refused unless RADIXSERVE_ALLOW_LONG_CONTEXT=1)",
     "max_total_tokens": "KV cache size in tokens (default: what fits in --mem-fraction-static, "
-    "at most 262144 tokens on CPU)",
+    "at most 262144 tokens on CPU; given, on CPU at most what the available memory holds)",
     "mem_fraction_static": "GPU: fraction of its memory for the weights and the KV cache; CPU: "
     "fraction of the memory available after loading the weights for the KV cache",
     "max_running_requests": "cap on requests running at once (default: 256, or fewer when the "

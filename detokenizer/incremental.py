@@ -63,11 +63,11 @@ class DecodeState:
     stopped: Stopped | None = None
 
     @classmethod
-    def of(cls, start: ReqStart) -> DecodeState:
-        """The prompt's last ids count as text already sent: the first output's text is what
-        they and it decode to beyond what they alone do (as SGLang and vLLM decode it)."""
+    def of(cls, start: ReqStart, context: list[int]) -> DecodeState:
+        """`context`, the prompt's last ids, counts as text already sent: the first output's
+        text is what it and the output decode to beyond what it alone does (as SGLang and vLLM
+        decode it)."""
         matcher = StopMatcher(start.stop) if start.stop else None
-        context = list(start.context)
         return cls(start, matcher, context, prefix_offset=0, read_offset=len(context))
 
     def windows(self, end: int) -> tuple[list[int], list[int]]:
@@ -136,13 +136,24 @@ class IncrementalDetokenizer:
                 stops.append(stop)
         return strs, stops
 
+    def _whole_characters(self, start: ReqStart) -> list[int]:
+        """The prompt's last ids, less those at its end that stop inside a character: decoded
+        alone they may make more replacement characters than the output's completed character
+        takes (a SentencePiece byte fallback writes one a byte), which would cut text off."""
+        context = list(start.context)
+        skip = start.skip_special_tokens
+        while context and self._batch_decode([context], skip)[0].endswith(REPLACEMENT_CHAR):
+            context.pop()
+        return context
+
     def _state(self, out: ReqTokenOut) -> DecodeState:
         """The request's state: made from its first output, ended with its final one."""
         state = self.states.get(out.rid)
         if out.start is not None:
             if state is not None:
                 raise ValueError(f"request {out.rid} started twice")
-            state = self.states[out.rid] = DecodeState.of(out.start)
+            context = self._whole_characters(out.start)
+            state = self.states[out.rid] = DecodeState.of(out.start, context)
         elif state is None:
             raise ValueError(f"output for request {out.rid}, which has not started or has ended")
         if out.finished_reason is not None:

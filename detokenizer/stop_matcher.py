@@ -15,7 +15,7 @@ from array import array
 class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = stops
-        self.fallbacks = [_fallback_table(stop) for stop in stops]  # shared, never written
+        self.fallbacks = [_fallback_table(stop) for stop in stops]
         self.matched = [0] * len(stops)  # characters of each stop string the text ends with
 
     def feed(self, text: str) -> bool:
@@ -43,7 +43,7 @@ class StopMatcher:
 # One table a stop string, not one a request: n = 128 completions with 64 stop strings of 1,024
 # characters held 128 copies of 2 MB of Python ints.
 @functools.lru_cache(maxsize=1024)
-def _fallback_table(s: str) -> array[int]:
+def _fallback_table(s: str) -> memoryview:
     """table[i]: the length of the longest proper prefix of s[: i + 1] that is also its suffix."""
     table = array("i", bytes(len(s) * array("i").itemsize))
     k = 0
@@ -53,4 +53,4 @@ def _fallback_table(s: str) -> array[int]:
         if s[i] == s[k]:
             k += 1
         table[i] = k
-    return table
+    return memoryview(table).toreadonly()  # one table for every request: never written

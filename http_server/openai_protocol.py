@@ -19,6 +19,7 @@ from radixserve.http_server.tool_grammar import tool_call_schema
 from radixserve.protocol.wire import (
     MAX_INPUT_IDS,
     MAX_MESSAGES,
+    MAX_OUTPUT_TOP_LOGPROBS,
     MAX_TOP_LOGPROBS,
     GenerateRequest,
     GrammarSpec,
@@ -70,14 +71,24 @@ RequestT = TypeVar("RequestT", bound="_OpenAIRequest")
 
 
 def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
-    """A request body as `kind`. A top-level null is the field's default: OpenAI's fields are
-    "... or null", and its SDKs send an argument given as None as an explicit null. (Nulls
-    dropped, the body is decoded as it came: JSON's own rules, its object keys as strings.)"""
-    if b"null" in body:
+    """A request body as `kind`. A null for one of the request's own fields is its default:
+    OpenAI's fields are "... or null", and its SDKs send an argument given as None as an
+    explicit null. (Only a body whose null was refused is read twice; an unknown field stays a
+    400, null or not.)"""
+    decoder = _decoder(kind)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as refused:
+        if "got `null`" not in str(refused):
+            raise
         raw = msgspec.json.decode(body)
-        if isinstance(raw, dict) and None in raw.values():
-            body = msgspec.json.encode({k: v for k, v in raw.items() if v is not None})
-    return _decoder(kind).decode(body)
+        fields = set(kind.__struct_fields__)
+        if not isinstance(raw, dict) or not any(
+            value is None and name in fields for name, value in raw.items()
+        ):
+            raise
+    kept = {name: value for name, value in raw.items() if value is not None or name not in fields}
+    return decoder.decode(msgspec.json.encode(kept))  # JSON's own rules: object keys as strings
 
 
 @functools.cache
@@ -85,9 +96,10 @@ def _decoder(kind: type[RequestT]) -> msgspec.json.Decoder[RequestT]:
     return msgspec.json.Decoder(kind)
 
 
-# The objects inside a request take fields beyond ours, as vLLM's and SGLang's do: OpenAI's own
-# (a message's `refusal`, `audio`, `annotations`, which its SDKs write back into the history),
-# or a later API's. Only the request's own fields are checked by name.
+# A message, its tool calls and stream_options take fields beyond ours, as vLLM's and SGLang's
+# do: OpenAI's own (a message's `refusal`, `audio`, `annotations`, which its SDKs write back into
+# the history), or a later API's. The request's own fields, and what describes tools and output
+# formats, are checked by name.
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
@@ -380,7 +392,8 @@ def completion_generates(
             except ValueError as e:
                 raise BadField("logprobs", str(e)) from None
         limit = max_new_tokens(req.max_tokens, COMPLETIONS_MAX_TOKENS, len(ids), limits)
-        _check_output_top_logprobs("logprobs", top, limit, "max_tokens")
+        completions = max(1, req.n) * len(prompt_ids)  # each prompt's limit is the same
+        _check_output_top_logprobs("logprobs", top, limit, "max_tokens", completions)
         params, sent = sampling_params(req, limit)
         generate = GenerateRequest(
             rid=str(i),
@@ -404,8 +417,11 @@ def chat_generate(
         raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
     # OpenAI's newer name first, as vLLM reads them.
     field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-    limit = max_new_tokens(getattr(req, field), None, len(input_ids), limits, field)
-    _check_output_top_logprobs("top_logprobs", top, limit, field)
+    requested = getattr(req, field)
+    limit = max_new_tokens(requested, None, len(input_ids), limits, field)
+    if requested is None and top:  # what the context leaves, within the logprobs' bound
+        limit = min(limit, max(1, MAX_OUTPUT_TOP_LOGPROBS // (top * max(1, req.n))))
+    _check_output_top_logprobs("top_logprobs", top, limit, field, max(1, req.n))
     params, sent = sampling_params(req, limit)
     generate = GenerateRequest(
         rid="0",
@@ -505,9 +521,11 @@ def prompts(prompt: str | list[Any]) -> list[Any]:
     raise BadField("prompt", "prompt must be a string, a list of token ids, or a list of either")
 
 
-def _check_output_top_logprobs(field: str, top: int, limit: int, length_field: str) -> None:
+def _check_output_top_logprobs(
+    field: str, top: int, limit: int, length_field: str, completions: int
+) -> None:
     try:
-        check_output_top_logprobs(field, top, limit, length_field)
+        check_output_top_logprobs(field, top, limit, length_field, completions)
     except ValueError as e:
         raise BadField(field, str(e)) from None
 

@@ -207,14 +207,19 @@ def check_prompt_top_logprobs(field: str, top: int, prompt_tokens: int) -> None:
         )
 
 
-def check_output_top_logprobs(field: str, top: int, new_tokens: int, length_field: str) -> None:
-    """`top` top logprobs for each of up to `new_tokens` output tokens fit MAX_OUTPUT_TOP_LOGPROBS
-    (ValueError naming `field`; `length_field`: the client's name for the output's limit)."""
-    if top * new_tokens > MAX_OUTPUT_TOP_LOGPROBS:
+def check_output_top_logprobs(
+    field: str, top: int, new_tokens: int, length_field: str, completions: int = 1
+) -> None:
+    """`top` top logprobs for each of up to `new_tokens` output tokens of each of `completions`
+    fit MAX_OUTPUT_TOP_LOGPROBS (ValueError naming `field`; `length_field`: the client's name
+    for the output's limit)."""
+    total = top * new_tokens * completions
+    if total > MAX_OUTPUT_TOP_LOGPROBS:
+        each = "" if completions == 1 else f" of each of {completions} completions"
         raise ValueError(
-            f"{field}: {top} top logprobs for each of up to {new_tokens} new tokens make "
-            f"{top * new_tokens}; at most {MAX_OUTPUT_TOP_LOGPROBS} in all (ask for fewer, or "
-            f"for a smaller {length_field})"
+            f"{field}: {top} top logprobs for each of up to {new_tokens} new tokens{each} make "
+            f"{total}; at most {MAX_OUTPUT_TOP_LOGPROBS} in all (ask for fewer, or for a smaller "
+            f"{length_field})"
         )
 
 

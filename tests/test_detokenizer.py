@@ -174,6 +174,23 @@ def test_the_first_token_keeps_its_space_after_the_prompt():
     assert whole.text == " Paris." and whole.new_token_ids == [4, 5]
 
 
+def test_a_prompt_ending_inside_a_character_cuts_no_text():
+    """A SentencePiece byte fallback writes one replacement character a byte: a prompt ending
+    with two of the three bytes of "€" decodes to two of them, which the output's third byte
+    turns into one "€". Such ids are left out of the context, and the output reads as decoded
+    alone (its space kept), instead of losing its first characters."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁a": 1, "<0xE2>": 2, "<0x82>": 3, "<0xAC>": 4, "▁is": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    assert tokenizer.decode([1, 2, 3, 4, 5]) == "a€ is"
+    pieces = stream(IncrementalDetokenizer(tokenizer), "r", [[4], [5]], context=(1, 2, 3))
+    assert "".join(pieces) == tokenizer.decode([4, 5]) == "\ufffd is"
+
+
 def test_a_byte_level_output_is_the_same_after_the_prompt(tokenizer):
     """For a byte-level BPE the prompt's ids change nothing: the output's own decode, however it
     is split (a prompt ending inside an emoji's tokens included)."""

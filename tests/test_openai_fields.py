@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import httpx
+import msgspec
 import openai
 import pytest
 import torch
@@ -343,6 +344,50 @@ def test_a_default_max_tokens_fits_the_kv_pool_as_well_as_the_context():
     assert max_new_tokens(3000, None, 100, (4096, 200)) == 3000  # the scheduler says too_long
     with pytest.raises(BadField, match="maximum context length is 4096 tokens"):
         max_new_tokens(4000, None, 100, (4096, 1 << 20))
+
+
+def test_every_chunk_of_a_stream_has_its_creation_time():
+    """One `created` for a response, as OpenAI's: a stream over a second long kept it."""
+    import time
+
+    from radixserve.http_server.openai_responses import chunk_body, completion_body, new_head
+
+    head = new_head(NAME, chat=True)
+    time.sleep(1.05)
+    assert chunk_body(head, [])["created"] == head.created
+    assert completion_body(head, [], None)["created"] == head.created
+
+
+def test_output_top_logprobs_are_bounded_over_every_completion():
+    """n completions of each prompt, each with top logprobs at every new token: bounded in all,
+    naming the field. Chat without max_tokens runs as far as the context and the bound allow."""
+    from radixserve.http_server.openai_protocol import (
+        BadField,
+        ChatCompletionRequest,
+        CompletionRequest,
+        chat_generate,
+        completion_generates,
+    )
+    from radixserve.protocol.wire import MAX_OUTPUT_TOP_LOGPROBS
+
+    limits = (40960, 262144)
+    chat = {"messages": CHAT, "logprobs": True, "top_logprobs": 256, "n": 128}
+    generate, _ = chat_generate(msgspec.convert(chat, ChatCompletionRequest), [1, 2], limits)
+    assert generate.sampling_params.max_new_tokens == MAX_OUTPUT_TOP_LOGPROBS // (256 * 128)
+    with pytest.raises(BadField) as refused_chat:
+        chat_generate(
+            msgspec.convert(chat | {"max_tokens": 33}, ChatCompletionRequest), [1], limits
+        )
+    assert refused_chat.value.param == "top_logprobs"
+    text = {"prompt": ["a", "b"], "logprobs": 256, "n": 2, "max_tokens": 1025}
+    with pytest.raises(BadField) as refused_text:  # 2 prompts x 2 x 1,025 x 256 > 2^20
+        completion_generates(msgspec.convert(text, CompletionRequest), [[1], [2]], limits)
+    assert refused_text.value.param == "logprobs" and "4 completions" in str(refused_text.value)
+    fits = text | {"max_tokens": 1024}
+    assert (
+        len(completion_generates(msgspec.convert(fits, CompletionRequest), [[1], [2]], limits)[0])
+        == 2
+    )
 
 
 def test_echoed_prompt_top_logprobs_in_all_are_bounded_naming_logprobs():

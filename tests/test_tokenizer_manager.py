@@ -13,7 +13,7 @@ import zmq
 from tm_harness import Harness, generate, receive, send, tokenizer_manager
 
 from radixserve.protocol.internal import AbortReq, HealthOut, HealthReq, TokenizedGenerateReq
-from radixserve.protocol.wire import FinishReason
+from radixserve.protocol.wire import MAX_OUTPUT_TOP_LOGPROBS, FinishReason
 
 STOP = FinishReason("stop", "S")
 LENGTH = FinishReason("length")
@@ -66,6 +66,29 @@ def test_clients_have_their_own_rids(tiny_served_model):
             await send(alice, **generate("same"))
             reply = await receive(alice)
             assert reply["type"] == "error" and "already in flight" in reply["message"]
+
+    asyncio.run(scenario())
+
+
+def test_output_top_logprobs_are_bounded_over_all_n_completions(tiny_served_model):
+    """The scheduler sees each of n completions alone: n x max_new_tokens x top_logprobs_num is
+    refused here, naming the field, before any completion starts; just inside is sent on."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            client = h.client()
+            per_completion = MAX_OUTPUT_TOP_LOGPROBS // 256 // 4  # within the bound alone
+            body = generate("many", n=4, max_new_tokens=per_completion + 1)
+            await send(client, **body, return_logprob=True, top_logprobs_num=256)
+            reply = await receive(client)
+            assert reply["type"] == "error" and reply["code"] == "invalid_request"
+            assert (
+                reply["message"].startswith("top_logprobs_num")
+                and "4 completions" in reply["message"]
+            )
+            body = generate("fits", n=4, max_new_tokens=per_completion)
+            await send(client, **body, return_logprob=True, top_logprobs_num=256)
+            assert isinstance(await h.to_scheduler(), TokenizedGenerateReq)
 
     asyncio.run(scenario())
 

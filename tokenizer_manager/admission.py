@@ -11,7 +11,7 @@ import uuid
 import msgspec
 
 from radixserve.protocol.internal import AbortReq, TokenizedGenerateReq
-from radixserve.protocol.wire import INT64_MIN, GenerateRequest
+from radixserve.protocol.wire import INT64_MIN, GenerateRequest, check_output_top_logprobs
 from radixserve.tokenizer_manager.inflight import Envelope, InFlight, InFlightRequest
 from radixserve.tokenizer_manager.intake import Intake, Ticket, held_bytes
 from radixserve.tokenizer_manager.replies import Replies
@@ -43,6 +43,18 @@ class Admission:
         rid = req.rid or uuid.uuid4().hex
         if not self.accepting:
             raise ClientError("overloaded", "the server is shutting down", rid)
+        if req.return_logprob:  # the scheduler sees each of the n completions alone
+            params = req.sampling_params
+            try:
+                check_output_top_logprobs(
+                    "top_logprobs_num",
+                    req.top_logprobs_num,
+                    params.max_new_tokens,
+                    "max_new_tokens",
+                    params.n,
+                )
+            except ValueError as e:
+                raise ClientError("invalid_request", str(e), rid) from None
         ticket = self.intake.take(self.replies.client_of(envelope[0]), held_bytes(req), rid)
         request = self.inflight.open(envelope, rid, req.stream, req.sampling_params.n)
         if request is None:
