@@ -146,10 +146,13 @@ def choice(
     reply: OutputReply, n: int, fields: dict[str, Any], logprobs: Any, reason: str | None
 ) -> dict[str, Any]:
     """A choice, whole or a streamed piece of it: `fields` are its `text`, `message` or
-    `delta`."""
+    `delta`. `matched_stop` (SGLang's): what ended it at a stop, the stop string or the token
+    id (EOS too); else null."""
+    ended = reply.meta_info.finish_reason
     return {
         "index": choice_index(reply, n),
         **fields,
         "logprobs": logprobs,
         "finish_reason": reason,
+        "matched_stop": ended.matched if ended is not None and ended.type == "stop" else None,
     }

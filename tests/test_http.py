@@ -114,6 +114,7 @@ def test_n_seed_stop_and_logprobs(oai, model, zmq_client):
     )
     text = stopped.choices[0].text
     assert free.startswith(text) and stop not in text and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].model_extra["matched_stop"] == stop  # SGLang's field
 
     want = zmq_client.generate(prompt, sampling_params=GREEDY, return_logprob=True)
     got = oai.completions.create(

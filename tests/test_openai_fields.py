@@ -129,6 +129,7 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached(server, oai):
         model=NAME, prompt="Once upon", max_tokens=8, temperature=0, extra_body=stop
     )
     assert plain.usage.completion_tokens == 1 and plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].model_extra["matched_stop"] == first  # the stop token's id
     held = oai.completions.create(
         model=NAME,
         prompt="Once upon",
