@@ -119,6 +119,19 @@ def test_logit_bias_forces_and_bans_tokens(oai, tokenizer):
     )
 
 
+def test_a_stop_string_that_is_a_special_token_stops(oai, tokenizer):
+    """stop=["<|im_start|>"] with special tokens skipped (the default): its text never reaches
+    the stop strings' matcher, so it is matched as a stop token (as SGLang matches it)."""
+    special = "<|im_start|>"
+    (token,) = tokenizer.convert_tokens_to_ids([special])
+    forced = {"logit_bias": {str(token): 100}, "max_tokens": 6, "temperature": 0}
+    plain = oai.completions.create(model=NAME, prompt="Hi", **forced)
+    assert plain.usage.completion_tokens == 6  # the special token, drawn again and again
+    stopped = oai.completions.create(model=NAME, prompt="Hi", stop=[special], **forced)
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == "" and stopped.choices[0].model_extra["matched_stop"] == token
+
+
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached(server, oai):
     """The greedy first token made a stop token ends the completion at once; with min_tokens 4
     it cannot be drawn until 4 tokens are out."""

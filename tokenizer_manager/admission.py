@@ -83,7 +83,7 @@ class Admission:
         # Nothing awaits from here to the last send: an abort of this request comes before all
         # of it (request.aborted) or after all of it (its completions are live by then).
         sends = []
-        base = req.sampling_params
+        base = self.tokenization.with_special_stops(req.sampling_params)
         for cid, index in self.inflight.start(request):
             if request.answered:  # its client went away meanwhile: never started
                 self.inflight.end(cid)

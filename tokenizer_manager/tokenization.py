@@ -15,9 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jinja2
+import msgspec
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from radixserve.protocol.wire import GenerateRequest, check_in_vocabulary
+from radixserve.protocol.wire import (
+    MAX_STOP_TOKEN_IDS,
+    GenerateRequest,
+    SamplingParams,
+    check_in_vocabulary,
+)
 
 # Tens of milliseconds of tokenizing at most: the short lane stays quick for all queued on it.
 LONG_PROMPT_CHARS = 32_768
@@ -53,6 +59,27 @@ class Tokenization:
         # this cannot fit the context: it is refused before the tokenizer spends seconds on it.
         longest_token = max(map(len, tokenizer.get_vocab()))
         self.max_prompt_chars = context_len * longest_token
+        self._special_ids = {
+            token.content: token_id
+            for token_id, token in tokenizer.added_tokens_decoder.items()
+            if token.special
+        }
+
+    def with_special_stops(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its stop strings that are a special token's text (`<|im_end|>`) as
+        stop token ids too: with skip_special_tokens on, that text never reaches the
+        detokenizer's matcher, so they would never match (SGLang matches them; vLLM does not).
+        Within the wire's bound on stop token ids."""
+        if not params.skip_special_tokens or not params.stop:
+            return params
+        have = set(params.stop_token_ids)
+        extra = list(
+            dict.fromkeys(self._special_ids[s] for s in params.stop if s in self._special_ids)
+        )
+        extra = [t for t in extra if t not in have][: MAX_STOP_TOKEN_IDS - len(have)]
+        if not extra:
+            return params
+        return msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
 
     async def input_ids_async(self, req: GenerateRequest) -> list[int]:
         lane = self._long if _prompt_size(req) > LONG_PROMPT_CHARS else self._short
