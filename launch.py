@@ -115,11 +115,16 @@ class Server:
 
     def _wait_ready(self) -> None:
         pending = dict(zip(self.readers, self.procs))
+        started: dict[int, mp.Process] = {}  # the sentinels of those ready: one may die meanwhile
         while pending:
-            ready = wait(list(pending), timeout=READY_TIMEOUT_S)
+            ready = wait([*pending, *started], timeout=READY_TIMEOUT_S)
             if not ready:
                 raise RuntimeError(f"not ready after {READY_TIMEOUT_S}s: {_names(pending)}")
-            for reader in ready:  # readable: a message, or the end of a child that died
+            for item in ready:
+                if isinstance(item, int):  # a ready child's end, while others were starting
+                    proc = started[item]
+                    raise RuntimeError(f"{proc.name} {self._why(proc)} while the others started")
+                reader = item  # readable: a message, or the end of a child that died
                 proc = pending.pop(reader)
                 try:
                     msg = msgspec.msgpack.decode(reader.recv_bytes(), type=LauncherInput)
@@ -129,6 +134,7 @@ class Server:
                     reason = msg.reason if isinstance(msg, ProcessFailed) else self._why(proc)
                     raise RuntimeError(f"{proc.name} failed while starting: {reason}")
                 logger.info("%s is ready (pid %d)", msg.name, proc.pid)
+                started[proc.sentinel] = proc
 
     def watch(self) -> str:
         """Block until a child exits or stops beating (hung); returns which, and how."""
@@ -176,6 +182,12 @@ class Server:
 
     def stop(self) -> None:
         # SIGKILL: a child that hangs, or is stopped, must go too; none keeps state to save.
+        # What the children started goes too (a first start's kernel compilers, which would
+        # otherwise go on compiling for a minute after the server is gone).
+        started = [pid for proc in self.procs if proc.pid for pid in _descendants(proc.pid)]
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -352,6 +364,20 @@ def _terminal_signals_ignored() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes `pid` started, theirs, and so on, as /proc lists them now (Linux); none
+    where it does not."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                new = [int(child) for child in children.read_text().split()]
+                found += new
+                todo += new
+    return found
 
 
 def _names(pending: dict[Connection, mp.Process]) -> str:

@@ -3,6 +3,7 @@ starting. Real processes, and no server ever gets ready here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -121,6 +122,51 @@ def test_ctrl_c_while_the_hub_is_asked_stops_the_start(tmp_path: Path):
         text = Path(log.name).read_text()
     assert code == 0 and "SIGINT received" in text, text
     assert "is ready" not in text and "Traceback" not in text, text
+
+
+def test_a_ready_child_that_dies_while_the_scheduler_starts_stops_the_start(tmp_path: Path):
+    """The detokenizer killed (the OOM killer, say) while the scheduler still builds its kernels:
+    the launcher says so and exits then, not once the scheduler is ready minutes later."""
+    env = {**os.environ, "RADIXSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}  # a first build
+    argv = ["--port", str(free_port()), "--http-port", "0", "--kernels", "cpu_extension"]
+    log_path = tmp_path / "launch.log"
+    with log_path.open("w") as log:
+        # Its own group: the compilers its scheduler starts can be stopped with it after.
+        proc = subprocess.Popen(
+            [sys.executable, "launch.py", *argv],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "building the CPU kernels" not in (text := log_path.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, text
+            time.sleep(0.1)
+        while "detokenizer is ready (pid " not in (text := log_path.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, text
+            time.sleep(0.1)
+        pid = int(text.split("detokenizer is ready (pid ")[1].split(")")[0])
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(30) == 1
+        left = [p for p in Path("/proc").glob("[0-9]*") if _runs_in(p, tmp_path)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left: spare the machine
+        proc.wait()
+    text = log_path.read_text()
+    assert "detokenizer was killed by SIGKILL" in text and "while the others started" in text
+    assert "ready on" not in text, text
+    assert not left, "the scheduler's kernel compilers outlived the server"
+
+
+def _runs_in(proc: Path, directory: Path) -> bool:
+    """Whether a /proc entry's command line names `directory` (a compiler of a build there)."""
+    with contextlib.suppress(OSError):
+        return str(directory) in (proc / "cmdline").read_bytes().decode(errors="replace")
+    return False
 
 
 def test_ctrl_c_while_starting_stops_everything_without_a_traceback():
