@@ -32,6 +32,24 @@ from radixserve.tokenizer_manager.sampling_defaults import (
 )
 
 
+def as_wire(body: bytes) -> bytes:
+    """A generate body as SGLang's clients write it, in the wire's terms: a null is the field's
+    default (SGLang's fields are Optional), in the request and in its sampling_params, and one
+    stop string is a list of it. The body as it was where that changes nothing (its refusal
+    then stands)."""
+    raw = msgspec.json.decode(body)
+    if not isinstance(raw, dict):
+        return body
+    wire = {k: v for k, v in raw.items() if v is not None}
+    params = wire.get("sampling_params")
+    if isinstance(params, dict):
+        params = {k: v for k, v in params.items() if v is not None}
+        if isinstance(params.get("stop"), str):
+            params["stop"] = [params["stop"]]
+        wire["sampling_params"] = params
+    return body if wire == raw else msgspec.json.encode(wire)
+
+
 class NativeApi:
     def __init__(self, front: Front):
         self.front = front
@@ -41,7 +59,11 @@ class NativeApi:
         self.front.authorize(request)
         body = await self.front.body(request)
         try:
-            req = self._generate_decoder.decode(body)
+            try:
+                req = self._generate_decoder.decode(body)
+            except msgspec.ValidationError:
+                body = as_wire(body)  # as SGLang's clients write it, maybe
+                req = self._generate_decoder.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
             message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise HttpError("invalid_request", message) from None

@@ -48,6 +48,9 @@ StopStrings = Annotated[
     msgspec.Meta(max_length=MAX_STOP_STRINGS),
 ]
 StopTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+# SGLang's clients send these with every request; accepted only with the value that asks for
+# nothing this server lacks (a list of regexes to stop at: none).
+NoStopRegex = Annotated[list[str], msgspec.Meta(max_length=0)]
 LogitBias = Annotated[
     dict[int, Annotated[float, msgspec.Meta(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]],
     msgspec.Meta(max_length=MAX_LOGIT_BIAS),
@@ -78,8 +81,17 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     json_schema: GrammarSpec | None = None
     regex: GrammarSpec | None = None
     ebnf: GrammarSpec | None = None
+    # SGLang's names and no-ops, which its clients send (bench_serving, RuntimeEndpoint).
+    sampling_seed: int | None = None  # SGLang's name for seed
+    spaces_between_special_tokens: Literal[True] = True
+    no_stop_trim: Literal[False] = False
+    stop_regex: NoStopRegex | None = None
 
     def __post_init__(self) -> None:
+        if self.sampling_seed is not None:
+            if self.seed is not None and self.seed != self.sampling_seed:
+                raise ValueError("seed and sampling_seed (SGLang's name for it) disagree")
+            self.seed, self.sampling_seed = self.sampling_seed, None
         checks = [
             (self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
             (self.temperature >= 0, "temperature must be >= 0"),
@@ -160,6 +172,14 @@ class GenerateRequest(_Request, tag="generate"):
     # SGLang's: with return_logprob, the logprobs of the prompt's tokens from this position on
     # (input_token_logprobs); -1: none. The prompt is then computed whole, never from the cache.
     logprob_start_len: int = -1
+    # SGLang's, which its clients send: accepted where they ask for nothing this server lacks
+    # (no LoRA, no image, no session, no custom logit processor, logprobs without their texts).
+    lora_path: None = None
+    image_data: None = None
+    session_params: None = None
+    custom_logit_processor: None = None
+    return_text_in_logprobs: Literal[False] = False
+    log_metrics: bool = True  # this server's metrics count every request
 
     def __post_init__(self) -> None:
         given = [f for f in ("text", "input_ids", "messages") if getattr(self, f) is not None]
@@ -282,6 +302,7 @@ class MetaInfo(msgspec.Struct, omit_defaults=True):
     # first token has no logprob (None), nor top tokens ([]).
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    id: str = ""  # the request's rid, where SGLang's clients read it
 
 
 class _Reply(msgspec.Struct, tag_field="type", omit_defaults=True):
@@ -313,7 +334,9 @@ class ModelInfoReply(_Reply, tag="model_info"):
     context_length: int
     vocab_size: int
     dtype: str
-    is_generation: bool = True
+    # SGLang's, which its clients read: always sent (replies omit defaults).
+    is_generation: bool
+    tokenizer_path: str  # the model's directory, whose tokenizer the server loads
 
 
 class ServerInfoReply(_Reply, tag="server_info"):

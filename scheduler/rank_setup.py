@@ -143,5 +143,7 @@ def build_scheduler(
         context_length=context_len,
         vocab_size=model.vocab_size,
         dtype=str(runner.dtype).removeprefix("torch."),
+        is_generation=True,
+        tokenizer_path=model_path,
     )
     return Scheduler(config, worker, GrammarBackend(model_path, model.vocab_size)), info

@@ -64,6 +64,8 @@ MODEL_INFO = ModelInfoReply(
     context_length=2048,
     vocab_size=100,
     dtype="float32",
+    is_generation=True,
+    tokenizer_path="/models/fake",
 )
 SPLIT = 5  # a streamed echo comes as text[:SPLIT] and then text[SPLIT:]
 

@@ -170,8 +170,56 @@ def test_native_endpoints(server, zmq_client):
     assert httpx.get(f"{url}/health").status_code == 200
     info = httpx.get(f"{url}/get_model_info").json()
     assert info["architecture"] == "LlamaForCausalLM"
+    assert info["is_generation"] is True and info["tokenizer_path"] == info["model_path"]
     assert "kv_tokens_total" in httpx.get(f"{url}/get_server_info").json()
     assert httpx.post(f"{url}/flush_cache").json()["success"]
+
+
+def test_what_sglang_clients_send_to_generate(server):
+    """SGLang's bench_serving and RuntimeEndpoint send these with every request: its nulls, its
+    no-op fields, one stop string as a string, sampling_seed. Each is taken as SGLang takes it
+    (the same tokens as our own spelling); a value asking for what is not here is a 400 naming
+    the field. The reply carries meta_info.id, SGLang's place for the rid."""
+    url = server.http_url
+    ours = {"text": "Tell me", "sampling_params": {**GREEDY, "max_new_tokens": 12}}
+    free = httpx.post(f"{url}/generate", json=ours).json()
+    stop = free["text"][len(free["text"]) // 2 :][:2]
+    sglang = {
+        "text": "Tell me",
+        "rid": "sg-1",
+        "lora_path": None,
+        "image_data": None,
+        "return_logprob": False,
+        "logprob_start_len": -1,
+        "return_text_in_logprobs": False,
+        "stream": False,
+        "sampling_params": {
+            **GREEDY,
+            "max_new_tokens": 12,
+            "stop": stop,
+            "spaces_between_special_tokens": True,
+            "no_stop_trim": False,
+            "stop_regex": [],
+            "sampling_seed": None,
+            "top_k": None,
+        },
+    }
+    reply = httpx.post(f"{url}/generate", json=sglang)
+    assert reply.status_code == 200, reply.text
+    stopped = httpx.post(
+        f"{url}/generate",
+        json={**ours, "sampling_params": {**ours["sampling_params"], "stop": [stop]}},
+    ).json()
+    assert reply.json()["text"] == stopped["text"] and reply.json()["meta_info"]["id"] == "sg-1"
+    seeded = {"text": "Hi", "sampling_params": {"max_new_tokens": 6, "temperature": 1.0}}
+    by_name = {**seeded, "sampling_params": {**seeded["sampling_params"], "sampling_seed": 5}}
+    ours_seed = {**seeded, "sampling_params": {**seeded["sampling_params"], "seed": 5}}
+    assert (
+        httpx.post(f"{url}/generate", json=by_name).json()["output_ids"]
+        == (httpx.post(f"{url}/generate", json=ours_seed).json()["output_ids"])
+    )
+    refused = httpx.post(f"{url}/generate", json={**ours, "lora_path": "adapter"})
+    assert refused.status_code == 400 and "lora_path" in refused.json()["error"]["message"]
 
 
 def test_state_changes_are_post_only_and_bodies_json_only(server, model):

@@ -81,6 +81,7 @@ class Completion:
             output_top_logprobs=top_logprobs,
             input_token_logprobs=out.input_token_logprobs,
             input_top_logprobs=out.input_top_logprobs,
+            id=self.request.rid,
         )
         return OutputReply(self.request.rid, text, ids, finished, meta, index=self.index)
 
