@@ -64,7 +64,8 @@ class NativeApi:
             except msgspec.ValidationError:
                 body = as_wire(body)  # as SGLang's clients write it, maybe
                 req = self._generate_decoder.decode(body)
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        # ValueError: a string that is not UTF-8 (UnicodeDecodeError), which msgspec lets through.
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError) as e:
             message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise HttpError("invalid_request", message) from None
         defaults = self.front.manager.sampling_defaults

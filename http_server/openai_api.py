@@ -187,7 +187,8 @@ class OpenAIApi:
             req = protocol.decode_request(body, kind)
         except msgspec.ValidationError as e:
             raise HttpError("invalid_request", str(e), protocol.field_of(e)) from None
-        except (msgspec.DecodeError, RecursionError) as e:
+        # ValueError: a string that is not UTF-8 (UnicodeDecodeError), which msgspec lets through.
+        except (msgspec.DecodeError, ValueError, RecursionError) as e:
             message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise HttpError("invalid_request", message) from None
         # No model named: the one served, as vLLM takes it.

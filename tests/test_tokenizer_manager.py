@@ -307,6 +307,27 @@ def test_multipart_requests_are_refused_without_echoing_them(tiny_served_model, 
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("field", ["text", "rid", "type"])
+def test_a_string_that_is_not_utf8_is_that_clients_error(tiny_served_model, field):
+    """msgpack strs must be UTF-8; msgspec raises UnicodeDecodeError (a ValueError, not its own
+    DecodeError) for one that is not, which once ended the tokenizer manager, and the server."""
+    bad = b"\xa3\xed\xa0\x80"  # a str of 3 bytes: a lone surrogate's UTF-8, not valid
+    fields = {"type": b"\xa8generate", "rid": b"\xa1r", "text": b"\xa2hi"}
+    fields[field] = bad
+    frame = b"\x83" + b"".join(msgspec.msgpack.encode(k) + v for k, v in fields.items())
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            client, other = h.client(), h.client()
+            await client.send(frame)
+            reply = await receive(client)
+            assert reply["type"] == "error" and reply["code"] == "invalid_request", reply
+            await send(other, type="health")  # everyone else is still served
+            assert isinstance(await h.to_scheduler(), HealthReq)
+
+    asyncio.run(scenario())
+
+
 def test_past_the_total_backlog_bound_the_largest_backlog_is_dropped(tiny_served_model):
     """Two slow readers, each far under its own bound (64 MiB) but together over the total one:
     the one with the most replies waiting has its request aborted (`overloaded`), though the

@@ -143,6 +143,10 @@ class TokenizerManager:
             except ClientError as e:
                 await self.replies.reply_error(envelope, e)
                 continue
+            except Exception:  # a bug a frame found: that client's error, not everyone's end
+                logger.exception("a request could not be read")
+                await self.replies.reply_error(envelope, ClientError("internal", _UNREADABLE))
+                continue
             await self.submit(envelope, req)
 
     async def submit(self, envelope: Envelope, req: Any) -> None:
@@ -281,4 +285,5 @@ class TokenizerManager:
 
 
 _NOT_READY = "the model is still loading; retry shortly"
+_UNREADABLE = "the server failed to read this request (a bug: see its log)"
 _ONE_FRAME = "a request is one frame (after a REQ socket's empty delimiter)"

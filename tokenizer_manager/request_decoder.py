@@ -50,7 +50,8 @@ class RequestDecoder:
         """The typed request, or a ClientError (unauthorized, or invalid_request)."""
         try:
             req = self._decoder.decode(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        # ValueError: a str that is not UTF-8 (UnicodeDecodeError), which msgspec lets through.
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError) as e:
             rid, api_key = self._label_of(payload)
             self.authorize(api_key, rid)
             message = "nested too deeply" if isinstance(e, RecursionError) else str(e)
@@ -71,7 +72,7 @@ class RequestDecoder:
         read (a deep nesting raises RecursionError in the decoder: nothing is read then)."""
         try:
             label = self._label_decoder.decode(payload)
-        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError):
             return None, None
         rid, key = label.rid, label.api_key
         rid = rid if isinstance(rid, str) and len(rid) <= MAX_RID_CHARS else None
