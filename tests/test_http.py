@@ -244,12 +244,16 @@ def test_state_changes_are_post_only_and_bodies_json_only(server, model):
     assert _metrics(url)["radixserve:num_requests_total"] == before + 1
 
 
+@pytest.mark.parametrize("prompts", [1, 3])
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_leaves_has_its_request_aborted(server, model, stream):
+def test_a_client_that_leaves_has_its_request_aborted(server, model, stream, prompts):
     """Streamed or not, its KV is freed at once, long before the 1,000 tokens it asked for (a
-    request not streamed sends nothing until its end: only the connection's close tells)."""
+    request not streamed sends nothing until its end: only the connection's close tells); each
+    of several prompts' too (the disconnect's task, cancelled as it sent the first's abort, once
+    left the others running)."""
     url = server.http_url
-    body = {"model": model, "prompt": "Go on", "max_tokens": 1000, "ignore_eos": True}
+    prompt = "Go on" if prompts == 1 else [f"Go on {i}" for i in range(prompts)]
+    body = {"model": model, "prompt": prompt, "max_tokens": 1000, "ignore_eos": True}
     request = json.dumps({**body, "stream": stream}).encode()
     before = _metrics(url)
     with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
@@ -260,14 +264,14 @@ def test_a_client_that_leaves_has_its_request_aborted(server, model, stream):
             while received.count(b"data: ") < 3:  # three tokens streamed: it runs
                 received += sock.recv(65536)
         else:
-            _wait_for(url, lambda info: info["running_requests"] == 1)
-        assert httpx.get(f"{url}/get_server_info").json()["running_requests"] == 1
+            _wait_for(url, lambda info: info["running_requests"] == prompts)
+        assert httpx.get(f"{url}/get_server_info").json()["running_requests"] == prompts
     _wait_for(url, lambda info: info["running_requests"] == 0)
     after = _metrics(url)
     aborted = "radixserve:num_aborted_requests_total"
-    assert after[aborted] == before[aborted] + 1
+    assert after[aborted] == before[aborted] + prompts
     generated = "radixserve:generation_tokens_total"
-    assert after[generated] - before[generated] < 100
+    assert after[generated] - before[generated] < 100 * prompts
     # Nothing holds KV any more: the cache can be emptied, and then no slot is in use.
     assert httpx.post(f"{url}/flush_cache").json()["success"]
     assert httpx.get(f"{url}/get_server_info").json()["kv_tokens_used"] == 0

@@ -93,6 +93,25 @@ def test_output_top_logprobs_are_bounded_over_all_n_completions(tiny_served_mode
     asyncio.run(scenario())
 
 
+def test_an_abort_said_again_sends_nothing_more(tiny_served_model):
+    """Each abort of a request still winding down sent its n aborts again, and the scheduler
+    searches its queues for each: a few bytes a frame bought n scans."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            client = h.client()
+            await send(client, **generate("four", n=4))
+            sent = [await h.to_scheduler() for _ in range(4)]
+            assert all(isinstance(m, TokenizedGenerateReq) for m in sent)
+            for _ in range(3):
+                await send(client, type="abort", rid="four")
+            aborts = [await h.to_scheduler() for _ in range(4)]
+            assert sorted(aborts, key=lambda a: a.rid) == [AbortReq(m.rid) for m in sent]
+            assert not await h.scheduler.poll(300)  # the two repeats sent nothing
+
+    asyncio.run(scenario())
+
+
 def test_a_client_that_went_away_has_its_requests_aborted(tiny_served_model):
     async def scenario() -> None:
         async with tokenizer_manager(tiny_served_model) as h:

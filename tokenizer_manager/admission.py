@@ -75,6 +75,8 @@ class Admission:
         try:
             input_ids = await self.tokenization.input_ids_async(req)
         except Exception as e:
+            if request.answered:
+                return  # dropped meanwhile (its client gone or too slow): answered once already
             self.inflight.answer(request)  # it never reached the scheduler: its rid is free
             if not isinstance(e, ValueError):
                 raise

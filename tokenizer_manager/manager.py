@@ -164,6 +164,8 @@ class TokenizerManager:
                 request = self.inflight.find(envelope[0], rid)
                 if request is None:
                     raise ClientError("not_found", f"no request {rid!r} is in flight", rid)
+                if request.aborted:
+                    return  # its aborts went already: a repeat would only cost the scheduler
                 request.aborted = True  # in the tokenizer still: aborted as it is sent
                 await self.link.abort(self.inflight.live_ids(request))
             case ModelInfoRequest():

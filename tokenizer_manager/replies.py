@@ -100,8 +100,9 @@ class Replies:
             logger.info("A client went away. Aborting its %d requests.", len(requests))
         for request in requests:  # all answered first: a concurrent drop finds none of them
             self.inflight.answer(request)
-        for request in requests:
-            await self.link.abort(self.inflight.live_ids(request))
+        # Every abort sent before the first await: the task may be cancelled at it (an HTTP
+        # handler stops its disconnect watch once woken), which cut off the requests after one.
+        await self.link.abort([cid for r in requests for cid in self.inflight.live_ids(r)])
         if too_slow_for is None:
             return
         message = f"replies to this client went unread past {too_slow_for}: request aborted"
