@@ -184,7 +184,9 @@ class Server:
         # SIGKILL: a child that hangs, or is stopped, must go too; none keeps state to save.
         # What the children started goes too (a first start's kernel compilers, which would
         # otherwise go on compiling for a minute after the server is gone).
-        started = [pid for proc in self.procs if proc.pid for pid in _descendants(proc.pid)]
+        # Only living children's: a reaped one's pid may be another process's by now.
+        alive = [proc.pid for proc in self.procs if proc.pid and proc.exitcode is None]
+        started = [pid for parent in alive for pid in _descendants(parent)]
         for pid in started:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -372,9 +374,10 @@ def _descendants(pid: int) -> list[int]:
     found: list[int] = []
     todo = [pid]
     while todo:
-        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                new = [int(child) for child in children.read_text().split()]
+        tasks = Path(f"/proc/{todo.pop()}/task")
+        with contextlib.suppress(OSError):  # gone meanwhile (a compiler ends every second)
+            for task in os.listdir(tasks):
+                new = [int(child) for child in (tasks / task / "children").read_text().split()]
                 found += new
                 todo += new
     return found

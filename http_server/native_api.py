@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -33,21 +34,30 @@ from radixserve.tokenizer_manager.sampling_defaults import (
 
 
 def as_wire(body: bytes) -> bytes:
-    """A generate body as SGLang's clients write it, in the wire's terms: a null is the field's
-    default (SGLang's fields are Optional), in the request and in its sampling_params, and one
-    stop string is a list of it. The body as it was where that changes nothing (its refusal
-    then stands)."""
+    """A generate body as SGLang's clients write it, in the wire's terms: a null for one of our
+    fields is its default (SGLang's fields are Optional), in the request and in its
+    sampling_params, and one stop string is a list of it. The body as it was where that
+    changes nothing (its refusal then stands; an unknown field stays one, null or not)."""
     raw = msgspec.json.decode(body)
     if not isinstance(raw, dict):
         return body
-    wire = {k: v for k, v in raw.items() if v is not None}
+    wire = _known_nulls_dropped(raw, GenerateRequest)
     params = wire.get("sampling_params")
     if isinstance(params, dict):
-        params = {k: v for k, v in params.items() if v is not None}
+        params = _known_nulls_dropped(params, SamplingParams)
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         wire["sampling_params"] = params
     return body if wire == raw else msgspec.json.encode(wire)
+
+
+def _known_nulls_dropped(fields: dict[str, Any], kind: type[msgspec.Struct]) -> dict[str, Any]:
+    known = set(kind.__struct_fields__)
+    return {k: v for k, v in fields.items() if v is not None or k not in known}
+
+
+# What as_wire may mend: a null, or one stop string where the wire has a list.
+_SGLANG_SPELLINGS = ("got `null`", "got `str` - at `$.sampling_params.stop`")
 
 
 class NativeApi:
@@ -61,8 +71,10 @@ class NativeApi:
         try:
             try:
                 req = self._generate_decoder.decode(body)
-            except msgspec.ValidationError:
-                body = as_wire(body)  # as SGLang's clients write it, maybe
+            except msgspec.ValidationError as e:
+                if not any(spelling in str(e) for spelling in _SGLANG_SPELLINGS):
+                    raise
+                body = as_wire(body)  # as SGLang's clients write it
                 req = self._generate_decoder.decode(body)
         # ValueError: a string that is not UTF-8 (UnicodeDecodeError), which msgspec lets through.
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError) as e:

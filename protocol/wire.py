@@ -83,11 +83,16 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     ebnf: GrammarSpec | None = None
     # SGLang's names and no-ops, which its clients send (bench_serving, RuntimeEndpoint).
     sampling_seed: int | None = None  # SGLang's name for seed
-    spaces_between_special_tokens: Literal[True] = True
-    no_stop_trim: Literal[False] = False
+    spaces_between_special_tokens: bool = True  # only true (checked below)
+    no_stop_trim: bool = False  # only false
     stop_regex: NoStopRegex | None = None
 
     def __post_init__(self) -> None:
+        # Plain bools checked here: msgspec takes Literal[True] only from 0.22 on.
+        if not self.spaces_between_special_tokens:
+            raise ValueError("spaces_between_special_tokens must be true: nothing else is served")
+        if self.no_stop_trim:
+            raise ValueError("no_stop_trim must be false: the text always ends before a stop")
         if self.sampling_seed is not None:
             if self.seed is not None and self.seed != self.sampling_seed:
                 raise ValueError("seed and sampling_seed (SGLang's name for it) disagree")
@@ -178,10 +183,12 @@ class GenerateRequest(_Request, tag="generate"):
     image_data: None = None
     session_params: None = None
     custom_logit_processor: None = None
-    return_text_in_logprobs: Literal[False] = False
+    return_text_in_logprobs: bool = False  # only false (checked below)
     log_metrics: bool = True  # this server's metrics count every request
 
     def __post_init__(self) -> None:
+        if self.return_text_in_logprobs:
+            raise ValueError("return_text_in_logprobs must be false: logprobs come as pairs")
         given = [f for f in ("text", "input_ids", "messages") if getattr(self, f) is not None]
         if len(given) != 1:
             raise ValueError("exactly one of text, input_ids or messages is required")
@@ -328,15 +335,15 @@ class HealthReply(_Reply, tag="health"):
     status: str  # "ok"; no default, so that it is on the wire (replies omit defaults)
 
 
-class ModelInfoReply(_Reply, tag="model_info"):
+# Its defaults sent too: SGLang's clients read is_generation and tokenizer_path.
+class ModelInfoReply(_Reply, tag="model_info", omit_defaults=False):
     model_path: str
     architecture: str
     context_length: int
     vocab_size: int
     dtype: str
-    # SGLang's, which its clients read: always sent (replies omit defaults).
-    is_generation: bool
-    tokenizer_path: str  # the model's directory, whose tokenizer the server loads
+    is_generation: bool = True
+    tokenizer_path: str = ""  # the model's directory, whose tokenizer the server loads
 
 
 class ServerInfoReply(_Reply, tag="server_info"):

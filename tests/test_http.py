@@ -148,9 +148,16 @@ def test_errors_have_openais_shape_and_status(oai, model, server):
     json_type = {"Content-Type": "application/json"}
     nested = httpx.post(f"{server.http_url}/v1/completions", content=deep, headers=json_type)
     assert nested.status_code == 400 and "nested" in nested.json()["error"]["message"]
-    not_utf8 = b'{"model": "m", "prompt": "\xed\xa0\x80", "text": "\xed\xa0\x80"}'
-    for path in ("/v1/completions", "/v1/chat/completions", "/generate"):  # was a plain 500
-        bad = httpx.post(f"{server.http_url}{path}", content=not_utf8, headers=json_type)
+    surrogate = b'"\xed\xa0\x80"'  # not UTF-8: a lone surrogate's bytes
+    for path, body in (  # each was a plain 500
+        ("/v1/completions", b'{"model": "' + model.encode() + b'", "prompt": ' + surrogate + b"}"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": ' + surrogate + b"}]}",
+        ),
+        ("/generate", b'{"text": ' + surrogate + b"}"),
+    ):
+        bad = httpx.post(f"{server.http_url}{path}", content=body, headers=json_type)
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
     too_long = httpx.post(
         f"{server.http_url}/generate", json={"input_ids": [5] * 2000, "stream": True}

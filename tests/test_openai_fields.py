@@ -130,6 +130,13 @@ def test_a_stop_string_that_is_a_special_token_stops(oai, tokenizer):
     stopped = oai.completions.create(model=NAME, prompt="Hi", stop=[special], **forced)
     assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].text == "" and stopped.choices[0].model_extra["matched_stop"] == token
+    # With the stop token ids at their bound (as repeats): still within it, still served.
+    full = {"stop_token_ids": [0] * 1024}
+    bounded = oai.completions.create(
+        model=NAME, prompt="Hi", stop=[special], extra_body=full, **forced
+    )
+    assert bounded.usage.completion_tokens == 1
+    assert oai.completions.create(model=NAME, prompt="Hi", max_tokens=1).usage  # still up
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached(server, oai):

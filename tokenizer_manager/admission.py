@@ -6,6 +6,7 @@ generates)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 
 import msgspec
@@ -18,6 +19,8 @@ from radixserve.tokenizer_manager.replies import Replies
 from radixserve.tokenizer_manager.request_decoder import ClientError
 from radixserve.tokenizer_manager.scheduler_link import SchedulerLink
 from radixserve.tokenizer_manager.tokenization import PromptTooLong, Tokenization
+
+logger = logging.getLogger("radixserve.tokenizer_manager")
 
 
 class Admission:
@@ -75,8 +78,10 @@ class Admission:
         try:
             input_ids = await self.tokenization.input_ids_async(req)
         except Exception as e:
-            if request.answered:
-                return  # dropped meanwhile (its client gone or too slow): answered once already
+            if request.answered:  # dropped meanwhile (its client gone or too slow): answered
+                if not isinstance(e, ValueError):
+                    logger.exception("tokenizing request %s failed", request.rid)
+                return
             self.inflight.answer(request)  # it never reached the scheduler: its rid is free
             if not isinstance(e, ValueError):
                 raise

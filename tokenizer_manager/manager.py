@@ -145,7 +145,7 @@ class TokenizerManager:
                 continue
             except Exception:  # a bug a frame found: that client's error, not everyone's end
                 logger.exception("a request could not be read")
-                await self.replies.reply_error(envelope, ClientError("internal", _UNREADABLE))
+                await self.replies.reply_error(envelope, self.decoder.unreadable(frames[-1]))
                 continue
             await self.submit(envelope, req)
 
@@ -287,5 +287,4 @@ class TokenizerManager:
 
 
 _NOT_READY = "the model is still loading; retry shortly"
-_UNREADABLE = "the server failed to read this request (a bug: see its log)"
 _ONE_FRAME = "a request is one frame (after a REQ socket's empty delimiter)"

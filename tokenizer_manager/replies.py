@@ -102,7 +102,9 @@ class Replies:
             self.inflight.answer(request)
         # Every abort sent before the first await: the task may be cancelled at it (an HTTP
         # handler stops its disconnect watch once woken), which cut off the requests after one.
-        await self.link.abort([cid for r in requests for cid in self.inflight.live_ids(r)])
+        # Shielded: a send the full pipe holds back must not be cancelled with this task.
+        aborts = self.link.abort([cid for r in requests for cid in self.inflight.live_ids(r)])
+        await asyncio.shield(aborts)
         if too_slow_for is None:
             return
         message = f"replies to this client went unread past {too_slow_for}: request aborted"

@@ -60,6 +60,18 @@ class RequestDecoder:
             self.authorize(req.api_key, getattr(req, "rid", None))
         return req
 
+    def unreadable(self, payload: bytes) -> ClientError:
+        """The error for a request the server failed to read (a bug): unauthorized for a
+        client without the key, who learns nothing more; else internal, with its rid."""
+        rid, api_key = self._label_of(payload)
+        try:
+            self.authorize(api_key, rid)
+        except ClientError as e:
+            return e
+        return ClientError(
+            "internal", "the server failed to read this request (a bug: see its log)", rid
+        )
+
     def authorize(self, api_key: str | None, rid: str | None) -> None:
         if self.api_key is None:
             return

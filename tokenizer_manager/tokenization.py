@@ -59,10 +59,10 @@ class Tokenization:
         # this cannot fit the context: it is refused before the tokenizer spends seconds on it.
         longest_token = max(map(len, tokenizer.get_vocab()))
         self.max_prompt_chars = context_len * longest_token
-        self._special_ids = {
+        self._special_ids = {  # within the model's rows: an id past them would index nothing
             token.content: token_id
             for token_id, token in tokenizer.added_tokens_decoder.items()
-            if token.special
+            if token.special and token_id < vocab_size
         }
 
     def with_special_stops(self, params: SamplingParams) -> SamplingParams:
@@ -72,14 +72,11 @@ class Tokenization:
         Within the wire's bound on stop token ids."""
         if not params.skip_special_tokens or not params.stop:
             return params
-        have = set(params.stop_token_ids)
-        extra = list(
-            dict.fromkeys(self._special_ids[s] for s in params.stop if s in self._special_ids)
-        )
-        extra = [t for t in extra if t not in have][: MAX_STOP_TOKEN_IDS - len(have)]
-        if not extra:
+        extra = [self._special_ids[s] for s in params.stop if s in self._special_ids]
+        ids = list(dict.fromkeys([*params.stop_token_ids, *extra]))  # a set: repeats say nothing
+        if ids == params.stop_token_ids:
             return params
-        return msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
+        return msgspec.structs.replace(params, stop_token_ids=ids[:MAX_STOP_TOKEN_IDS])
 
     async def input_ids_async(self, req: GenerateRequest) -> list[int]:
         lane = self._long if _prompt_size(req) > LONG_PROMPT_CHARS else self._short
