@@ -123,6 +123,13 @@ class OpenAIApi:
         req = await self._decode(request, CompletionRequest)
         tokenization = self.front.manager.tokenization
         prompts = _checked(protocol.prompts, req.prompt)
+        # Each prompt is a request of this client's: past its cap, a 503 would come every time.
+        cap = self.front.manager.args.max_pending_requests_per_client
+        if len(prompts) > cap:
+            message = f"{len(prompts)} prompts: at most {cap} in one request (the server's "
+            raise HttpError(
+                "invalid_request", message + "--max-pending-requests-per-client)", "prompt"
+            )
 
         async def ids(prompt: Any) -> list[int]:
             text = prompt if isinstance(prompt, str) else None

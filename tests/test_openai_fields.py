@@ -119,6 +119,14 @@ def test_logit_bias_forces_and_bans_tokens(oai, tokenizer):
     )
 
 
+def test_more_prompts_than_a_client_may_have_pending_is_a_400(oai):
+    """Each prompt is one of the client's pending requests (256 by default): past that, every
+    try met the cap as a 503 to retry, which no retry could cure."""
+    refused(lambda: oai.completions.create(model=NAME, prompt=["Hi"] * 257, max_tokens=1), "prompt")
+    fits = oai.completions.create(model=NAME, prompt=["Hi"] * 256, max_tokens=1)
+    assert len(fits.choices) == 256
+
+
 def test_a_stop_string_that_is_a_special_token_stops(oai, tokenizer):
     """stop=["<|im_start|>"] with special tokens skipped (the default): its text never reaches
     the stop strings' matcher, so it is matched as a stop token (as SGLang matches it)."""

@@ -386,3 +386,29 @@ def test_past_the_total_backlog_bound_the_largest_backlog_is_dropped(tiny_served
             assert meter.nbytes == 0 and not h.manager.inflight.by_peer
 
     asyncio.run(scenario())
+
+
+def test_an_http_backlog_counts_its_replies_logprobs():
+    """A streamed token with 256 top logprobs is ~30 KB held: the bound on an HTTP client's
+    unread replies counted ~140 bytes for it, and a final with a prompt's 2^20 pairs as 128."""
+    from radixserve.protocol.wire import MetaInfo, OutputReply
+    from radixserve.tokenizer_manager.backlog_meter import BacklogMeter
+    from radixserve.tokenizer_manager.local_client import LOGPROB_PAIR_BYTES, LocalClient
+
+    async def scenario() -> None:
+        meter = BacklogMeter(1 << 30)
+        client = LocalClient(0, max_backlog_bytes=1_000_000, meter=meter)
+        top = [[(-1.0, t) for t in range(256)]]
+        meta = MetaInfo(1, 1, 0, None, 0.0, [(-1.0, 7)], top)
+        assert client.put(OutputReply("r", "x", [7], False, meta))
+        assert (
+            client.backlog_bytes >= 257 * LOGPROB_PAIR_BYTES
+            and meter.nbytes == client.backlog_bytes
+        )
+        fits = [client.put(OutputReply("r", "x", [7], False, meta)) for _ in range(40)]
+        assert not all(fits)  # 41 of them pass the bound of 1 MB
+        for _ in range(41):
+            await client.get()
+        assert client.backlog_bytes == 0 and meter.nbytes == 0
+
+    asyncio.run(scenario())

@@ -64,8 +64,17 @@ class LocalClient:
         self.meter.add(nbytes)
 
 
+# A (logprob, token id) pair held as Python objects: a tuple, a float and an int.
+LOGPROB_PAIR_BYTES = 120
+
+
 def _size(reply: msgspec.Struct) -> int:
-    """About what the reply costs held here: its text and ids, and a fixed part."""
-    if isinstance(reply, OutputReply):
-        return 128 + len(reply.text) + 8 * len(reply.output_ids)
-    return 128
+    """About what the reply costs held here: its text and ids, its logprobs (256 top ones a
+    token make a streamed token's reply ~30 KB, a prompt's 2^20 ~100 MB), and a fixed part."""
+    if not isinstance(reply, OutputReply):
+        return 128
+    meta = reply.meta_info
+    pairs = len(meta.output_token_logprobs or ()) + len(meta.input_token_logprobs or ())
+    for tops in (meta.output_top_logprobs, meta.input_top_logprobs):
+        pairs += sum(map(len, tops or ()))
+    return 128 + len(reply.text) + 8 * len(reply.output_ids) + LOGPROB_PAIR_BYTES * pairs
