@@ -19,6 +19,7 @@ from radixserve.http_server.front import (
     json_response,
     sse,
 )
+from radixserve.http_server.lenient_json import decode_mended, without_nulls
 from radixserve.protocol.internal import FlushCacheReq, HealthReq, ModelInfoReq, ServerInfoReq
 from radixserve.protocol.wire import (
     FlushCacheReply,
@@ -33,30 +34,21 @@ from radixserve.tokenizer_manager.sampling_defaults import (
 )
 
 
-def as_wire(body: bytes) -> bytes:
-    """A generate body as SGLang's clients write it, in the wire's terms: a null for one of our
-    fields is its default (SGLang's fields are Optional), in the request and in its
-    sampling_params, and one stop string is a list of it. The body as it was where that
-    changes nothing (its refusal then stands; an unknown field stays one, null or not)."""
-    raw = msgspec.json.decode(body)
-    if not isinstance(raw, dict):
-        return body
-    wire = _known_nulls_dropped(raw, GenerateRequest)
+def as_wire(raw: dict[str, Any]) -> dict[str, Any]:
+    """A generate request as SGLang's clients write it, in the wire's terms: a null for one of
+    our fields is its default (SGLang's fields are Optional), in the request and in its
+    sampling_params, and one stop string is a list of it."""
+    wire = without_nulls(raw, GenerateRequest)
     params = wire.get("sampling_params")
     if isinstance(params, dict):
-        params = _known_nulls_dropped(params, SamplingParams)
+        params = without_nulls(params, SamplingParams)
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         wire["sampling_params"] = params
-    return body if wire == raw else msgspec.json.encode(wire)
+    return wire
 
 
-def _known_nulls_dropped(fields: dict[str, Any], kind: type[msgspec.Struct]) -> dict[str, Any]:
-    known = set(kind.__struct_fields__)
-    return {k: v for k, v in fields.items() if v is not None or k not in known}
-
-
-# What as_wire may mend: a null, or one stop string where the wire has a list.
+# What as_wire mends: a null, or one stop string where the wire has a list.
 _SGLANG_SPELLINGS = ("got `null`", "got `str` - at `$.sampling_params.stop`")
 
 
@@ -69,13 +61,7 @@ class NativeApi:
         self.front.authorize(request)
         body = await self.front.body(request)
         try:
-            try:
-                req = self._generate_decoder.decode(body)
-            except msgspec.ValidationError as e:
-                if not any(spelling in str(e) for spelling in _SGLANG_SPELLINGS):
-                    raise
-                body = as_wire(body)  # as SGLang's clients write it
-                req = self._generate_decoder.decode(body)
+            req = decode_mended(self._generate_decoder, body, as_wire, _SGLANG_SPELLINGS)
         # ValueError: a string that is not UTF-8 (UnicodeDecodeError), which msgspec lets through.
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError) as e:
             message = "nested too deeply" if isinstance(e, RecursionError) else str(e)

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from radixserve.http_server.lenient_json import decode_mended, without_nulls
 from radixserve.http_server.tool_grammar import tool_call_schema
 from radixserve.protocol.wire import (
     MAX_INPUT_IDS,
@@ -73,22 +74,11 @@ RequestT = TypeVar("RequestT", bound="_OpenAIRequest")
 def decode_request(body: bytes, kind: type[RequestT]) -> RequestT:
     """A request body as `kind`. A null for one of the request's own fields is its default:
     OpenAI's fields are "... or null", and its SDKs send an argument given as None as an
-    explicit null. (Only a body whose null was refused is read twice; an unknown field stays a
-    400, null or not.)"""
-    decoder = _decoder(kind)
-    try:
-        return decoder.decode(body)
-    except msgspec.ValidationError as refused:
-        if "got `null`" not in str(refused):
-            raise
-        raw = msgspec.json.decode(body)
-        fields = set(kind.__struct_fields__)
-        if not isinstance(raw, dict) or not any(
-            value is None and name in fields for name, value in raw.items()
-        ):
-            raise
-    kept = {name: value for name, value in raw.items() if value is not None or name not in fields}
-    return decoder.decode(msgspec.json.encode(kept))  # JSON's own rules: object keys as strings
+    explicit null."""
+    return decode_mended(_decoder(kind), body, lambda raw: without_nulls(raw, kind), _NULL)
+
+
+_NULL = ("got `null`",)
 
 
 @functools.cache

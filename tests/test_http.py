@@ -229,6 +229,15 @@ def test_what_sglang_clients_send_to_generate(server):
         httpx.post(f"{url}/generate", json=by_name).json()["output_ids"]
         == (httpx.post(f"{url}/generate", json=ours_seed).json()["output_ids"])
     )
+    # A null sampling field is its default, as a field left out is (with a model's defaults:
+    # tests/test_sampling_defaults.py); a null sampling_params too.
+    nulls = {**seeded, "sampling_params": {"max_new_tokens": 6, "temperature": None, "seed": 5}}
+    left_out = {**seeded, "sampling_params": {"max_new_tokens": 6, "seed": 5}}
+    assert (
+        httpx.post(f"{url}/generate", json=nulls).json()["output_ids"]
+        == (httpx.post(f"{url}/generate", json=left_out).json()["output_ids"])
+    )
+    assert httpx.post(f"{url}/generate", json={"text": "Hi", "sampling_params": None}).is_success
     refused = httpx.post(f"{url}/generate", json={**ours, "lora_path": "adapter"})
     assert refused.status_code == 400 and "lora_path" in refused.json()["error"]["message"]
 

@@ -14,6 +14,7 @@ from radixserve.protocol.wire import ClientRequest, GenerateRequest
 from radixserve.tokenizer_manager.sampling_defaults import (
     apply_sampling_defaults,
     load_sampling_defaults,
+    sent_sampling_fields_json,
 )
 
 QWEN3_LIKE = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": 2}
@@ -79,3 +80,12 @@ def test_the_converted_default_model_carries_its_model_card_recommendation(tmp_p
     model_source._recommend_sampling(tmp_path)
     config = json.loads((tmp_path / "generation_config.json").read_text())
     assert config == {"eos_token_id": 2, "temperature": 0.2, "top_p": 0.5}
+
+
+def test_a_null_in_a_json_body_is_no_value_sent():
+    """SGLang's clients send unset fields as null: those take the model's default, as fields
+    left out do; so does a null sampling_params."""
+    body = b'{"text": "x", "sampling_params": {"temperature": null, "top_p": 0.5}}'
+    assert list(sent_sampling_fields_json(body)) == ["top_p"]
+    assert list(sent_sampling_fields_json(b'{"text": "x", "sampling_params": null}')) == []
+    assert list(sent_sampling_fields_json(b'{"text": "x"}')) == []

@@ -25,7 +25,7 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 
 
 class _SentSamplingParams(msgspec.Struct):
-    sampling_params: dict[str, msgspec.Raw] = {}
+    sampling_params: dict[str, msgspec.Raw] | None = None
 
 
 _sent_decoder = msgspec.msgpack.Decoder(_SentSamplingParams)
@@ -57,12 +57,15 @@ def apply_sampling_defaults(
     """`req`, decoded from msgpack `payload`, with the defaults of the fields it did not send."""
     if not defaults or not isinstance(req, GenerateRequest):
         return req
-    return fill_sampling_defaults(req, _sent_decoder.decode(payload).sampling_params, defaults)
+    sent = _sent_decoder.decode(payload).sampling_params or {}
+    return fill_sampling_defaults(req, sent, defaults)
 
 
 def sent_sampling_fields_json(body: bytes) -> Collection[str]:
-    """The sampling_params keys of a JSON `generate` body (HTTP), their values skipped unread."""
-    return _sent_json_decoder.decode(body).sampling_params.keys()
+    """The sampling_params keys of a JSON `generate` body (HTTP), their values skipped unread;
+    a null is no value sent (the field's default, as SGLang's clients mean it)."""
+    params = _sent_json_decoder.decode(body).sampling_params or {}
+    return [name for name, value in params.items() if bytes(value) != b"null"]
 
 
 def fill_sampling_defaults(
