@@ -12,7 +12,13 @@ import pytest
 import zmq
 from tm_harness import Harness, generate, receive, send, tokenizer_manager
 
-from radixserve.protocol.internal import AbortReq, HealthOut, HealthReq, TokenizedGenerateReq
+from radixserve.protocol.internal import (
+    AbortReq,
+    HealthOut,
+    HealthReq,
+    ReqError,
+    TokenizedGenerateReq,
+)
 from radixserve.protocol.wire import MAX_OUTPUT_TOP_LOGPROBS, FinishReason
 
 STOP = FinishReason("stop", "S")
@@ -266,9 +272,12 @@ def test_a_reader_too_slow_for_the_backlog_bound_is_aborted(tiny_served_model):
     asyncio.run(scenario())
 
 
-def test_a_final_reply_waiting_for_a_slow_reader_is_never_lost(tiny_served_model):
-    """A request already answered, its final reply still waiting in the backlog when another
-    request pushes the backlog over the bound: it still gets one final reply (an error)."""
+@pytest.mark.parametrize("final", ["output", "refusal", "unknown_abort"])
+def test_a_final_reply_waiting_for_a_slow_reader_is_never_lost(tiny_served_model, final):
+    """A request already answered, its final reply (its last output; the scheduler's refusal;
+    the error for an abort of a rid not in flight) still waiting in the backlog when another
+    request pushes the backlog over the bound: it still gets one final reply (an error). The
+    errors were lost so before."""
     steps = 6000
 
     async def scenario() -> None:
@@ -276,8 +285,9 @@ def test_a_final_reply_waiting_for_a_slow_reader_is_never_lost(tiny_served_model
             client = h.client(**SMALL_BUFFERS)
             await send(client, **generate("flood", max_new_tokens=steps))
             flooding = await h.to_scheduler()
-            await send(client, **generate("owed", stream=False, max_new_tokens=1))
-            owed = await h.to_scheduler()
+            if final != "unknown_abort":
+                await send(client, **generate("owed", stream=False, max_new_tokens=1))
+                owed = await h.to_scheduler()
             for i in range(steps):  # until a backlog forms: the owed final waits behind it
                 await h.output(flooding.rid, [i % 100], None, LONG_TEXT)
                 if i % 10 == 9:  # so the backlog holds well under the bound then
@@ -285,7 +295,13 @@ def test_a_final_reply_waiting_for_a_slow_reader_is_never_lost(tiny_served_model
                     if h.manager.replies.outbox.backlogs:
                         break
             assert h.manager.replies.outbox.backlogs, "the test did not get past the queue"
-            await h.output(owed.rid, [1], LENGTH)
+            if final == "output":
+                await h.output(owed.rid, [1], LENGTH)
+            elif final == "refusal":
+                refusal = ReqError(owed.rid, "too_long", "no room")
+                await h.backend.send(msgspec.msgpack.encode(refusal))
+            else:
+                await send(client, type="abort", rid="owed")
             await asyncio.sleep(0.05)
             # Answered, its final queued behind the backlog.
             assert all("owed" not in of_client for of_client in h.manager.inflight.by_peer.values())
@@ -343,6 +359,44 @@ def test_a_string_that_is_not_utf8_is_that_clients_error(tiny_served_model, fiel
             assert reply["type"] == "error" and reply["code"] == "invalid_request", reply
             await send(other, type="health")  # everyone else is still served
             assert isinstance(await h.to_scheduler(), HealthReq)
+
+    asyncio.run(scenario())
+
+
+def test_a_bug_on_a_requests_way_ends_it_and_names_its_rid(tiny_served_model):
+    """A bug while a request goes to the scheduler (here its second completion's send fails)
+    costs that request one `internal` error with its rid. What of it reached the scheduler is
+    aborted, and the rid is free again: before, the error had no rid, the first completion ran
+    on unseen and the rid stayed "already in flight" for good."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            link = h.manager.link
+            real_send, sends = link.send, 0
+
+            async def second_send_fails(message: object) -> None:
+                nonlocal sends
+                sends += 1
+                if sends == 2:
+                    raise RuntimeError("boom")
+                await real_send(message)
+
+            link.send = second_send_fails
+            client = h.client()
+            await send(client, **generate("x", n=2))
+            first = await h.to_scheduler()
+            assert isinstance(first, TokenizedGenerateReq)
+            error = await receive(client)
+            assert error["type"] == "error" and error["code"] == "internal", error
+            assert error["rid"] == "x" and "boom" in error["message"]
+            # Both are aborted: which sends got through is not known (an abort of an id the
+            # scheduler never had costs it a lookup).
+            aborts = [await h.to_scheduler() for _ in range(2)]
+            assert AbortReq(first.rid) in aborts
+
+            link.send = real_send
+            await send(client, **generate("x"))  # the rid may be used again
+            assert isinstance(await h.to_scheduler(), TokenizedGenerateReq)
 
     asyncio.run(scenario())
 

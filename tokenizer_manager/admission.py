@@ -64,15 +64,30 @@ class Admission:
             ticket.release()
             raise ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
         work = self._send(request, req, ticket)
-        task = asyncio.create_task(self.replies.answer_errors(envelope, work))
+        task = asyncio.create_task(self.replies.answer_errors(envelope, work, rid))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _send(self, request: InFlightRequest, req: GenerateRequest, ticket: Ticket) -> None:
         try:
             await self._tokenize_and_send(request, req)
+        except ClientError:
+            raise
+        except Exception:
+            await self._end_after_bug(request)
+            raise
         finally:
             ticket.release()
+
+    async def _end_after_bug(self, request: InFlightRequest) -> None:
+        """A bug stopped the request on its way: it ends here, its rid free again, and whatever
+        of it may have reached the scheduler is aborted (else that ran on unseen and the rid
+        stayed taken)."""
+        self.inflight.answer(request)
+        live = self.inflight.live_ids(request)
+        for cid in live:  # the scheduler's last words for these find nothing, as after a drop
+            self.inflight.end(cid)
+        await self.link.abort(live)
 
     async def _tokenize_and_send(self, request: InFlightRequest, req: GenerateRequest) -> None:
         try:

@@ -152,7 +152,8 @@ class TokenizerManager:
     async def submit(self, envelope: Envelope, req: Any) -> None:
         """A decoded, authorized request, from either front door: its answers, or one error,
         go to `envelope`. A generate is only registered by the time this returns."""
-        await self.replies.answer_errors(envelope, self.handle_request(envelope, req))
+        work = self.handle_request(envelope, req)
+        await self.replies.answer_errors(envelope, work, getattr(req, "rid", None))
 
     async def handle_request(self, envelope: Envelope, req: Any) -> None:
         if not isinstance(req, AbortRequest):
@@ -254,7 +255,8 @@ class TokenizerManager:
         request = completion.request
         self.inflight.answer(request)
         await self.link.abort(self.inflight.live_ids(request))
-        await self.replies.reply_error(request.envelope, ClientError(code, message, request.rid))
+        error = ClientError(code, message, request.rid)
+        await self.replies.reply_error(request.envelope, error, request)
 
     async def answer_query(self, qid: int, reply: msgspec.Struct) -> None:
         pending = self.pending_queries.pop(qid, None)

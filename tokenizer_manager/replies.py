@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Hashable
+from dataclasses import dataclass
 
 import msgspec
 import zmq.asyncio
@@ -32,6 +33,15 @@ _CLIENT_BOUND = "--max-reply-backlog-bytes"
 _TOTAL_BOUND = "--max-total-reply-backlog-bytes (all clients together; this one had the most)"
 
 
+@dataclass(frozen=True, slots=True, eq=False)  # each one itself (the outbox keeps owners once)
+class _ErrorFor:
+    """An error reply for a rid that no registered request answers (a refusal before one was
+    registered, an abort of an unknown rid): the outbox's owner of it."""
+
+    envelope: Envelope
+    rid: str
+
+
 class Replies:
     def __init__(
         self, args: ServerArgs, router: zmq.asyncio.Socket, inflight: InFlight, link: SchedulerLink
@@ -45,25 +55,36 @@ class Replies:
         self._local_ids = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
 
-    async def answer_errors(self, envelope: Envelope, work: Awaitable[None]) -> None:
-        """Do `work` for the client at `envelope`; a refusal, or a bug, costs it one error."""
+    async def answer_errors(
+        self, envelope: Envelope, work: Awaitable[None], rid: str | None = None
+    ) -> None:
+        """Do `work` (for request `rid`, if it has one) for the client at `envelope`; a refusal,
+        or a bug, costs it one error."""
         try:
             await work
         except ClientError as e:
             await self.reply_error(envelope, e)
         except Exception as e:  # a bug must cost this client its request, not the server
-            logger.exception("request failed")
-            await self.reply_error(envelope, ClientError("internal", f"{type(e).__name__}: {e}"))
+            logger.exception("request %s failed", rid)
+            bug = ClientError("internal", f"{type(e).__name__}: {e}", rid)
+            await self.reply_error(envelope, bug)
 
-    async def reply_error(self, envelope: Envelope, error: ClientError) -> None:
+    async def reply_error(
+        self, envelope: Envelope, error: ClientError, request: InFlightRequest | None = None
+    ) -> None:
+        """One error, the last reply for `request` (or for `error.rid`, where no request was
+        registered): if it waits for a slow client and is thrown away, the client is still owed
+        a last reply for that rid."""
         if self.args.log_requests:
             request_log.failed(error.rid, error.code, error.message)
-        await self.reply(envelope, ErrorReply(error.code, error.message, rid=error.rid))
+        owner: object = request
+        if request is None and error.rid is not None:
+            owner = _ErrorFor(envelope, error.rid)
+        await self.reply(envelope, ErrorReply(error.code, error.message, rid=error.rid), owner)
 
-    async def reply(
-        self, envelope: Envelope, reply: msgspec.Struct, request: InFlightRequest | None = None
-    ) -> None:
-        match self._deliver(envelope, reply, request):
+    async def reply(self, envelope: Envelope, reply: msgspec.Struct, owner: object = None) -> None:
+        """`owner`: what the reply answers (an InFlightRequest, or an error's _ErrorFor)."""
+        match self._deliver(envelope, reply, owner):
             case Delivery.GONE:
                 await self.drop_client(envelope[0])
             case Delivery.OVERFLOW:
@@ -71,13 +92,11 @@ class Replies:
         if self.backlog_meter.over:
             await self._drop_largest_backlog()
 
-    def _deliver(
-        self, envelope: Envelope, reply: msgspec.Struct, request: InFlightRequest | None = None
-    ) -> Delivery:
+    def _deliver(self, envelope: Envelope, reply: msgspec.Struct, owner: object = None) -> Delivery:
         local = self.local_clients.get(envelope[0])
         if local is not None:
             return Delivery.SENT if local.put(reply) else Delivery.OVERFLOW
-        return self.outbox.send(envelope, self._encoder.encode(reply), request)
+        return self.outbox.send(envelope, self._encoder.encode(reply), owner)
 
     async def drop_client(self, peer: bytes, too_slow_for: str | None = None) -> None:
         """Abort every request of a client that is gone, or that reads too slowly (past the
@@ -93,9 +112,11 @@ class Replies:
             )
         lost = self.outbox.drop(peer)
         requests = self.inflight.of_peer(peer)
-        # A request already answered whose last replies were among those thrown away is owed an
-        # error too: every request ends with exactly one final reply.
-        owed = requests + [r for r in lost if isinstance(r, InFlightRequest) and r.answered]
+        # A request already answered whose last replies were among those thrown away (an error
+        # among them) is owed an error too: every request ends with exactly one final reply.
+        owed: list[InFlightRequest | _ErrorFor] = [*requests]
+        owed += [r for r in lost if isinstance(r, _ErrorFor)]
+        owed += [r for r in lost if isinstance(r, InFlightRequest) and r.answered]
         if too_slow_for is None and requests:
             logger.info("A client went away. Aborting its %d requests.", len(requests))
         for request in requests:  # all answered first: a concurrent drop finds none of them
