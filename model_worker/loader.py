@@ -67,6 +67,7 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
     weight_names = {name for name, _ in pending}
     unexpected: list[str] = []
     files = safetensors_files(Path(model_dir))
+    found_in: dict[str, str] = {}  # checkpoint name -> its file: a second copy is refused
     started = time.monotonic()
 
     def loads_head(ckpt_name: str) -> bool:
@@ -92,6 +93,11 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
                 file.nbytes / 1e9,
             )
             for ckpt_name, tensor in tensors:
+                first = found_in.setdefault(ckpt_name, path.name)
+                if first != path.name:
+                    raise WeightLoadError(
+                        f"checkpoint weight {ckpt_name} is in two files: {first} and {path.name}"
+                    )
                 for name, piece in model.checkpoint_targets(ckpt_name):
                     if name not in weight_names:
                         unexpected.append(ckpt_name)
@@ -99,7 +105,7 @@ def load_weights(model: CausalLM, model_dir: str) -> None:
                     module_name, _, weight_name = name.rpartition(".")
                     try:
                         modules[module_name].load_weight(weight_name, tensor, piece)
-                    except ValueError as e:
+                    except (ValueError, WeightLoadError) as e:
                         raise WeightLoadError(
                             f"checkpoint weight {ckpt_name} ({path.name}): {e}"
                         ) from e
@@ -121,18 +127,12 @@ class SafetensorsFile:
         self.path = path
         self._fd = os.open(path, os.O_RDONLY)
         try:
-            (header_size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-            if header_size > _MAX_HEADER_BYTES:
-                raise WeightLoadError(f"{path}: a header of {header_size} bytes")
-            header = json.loads(os.pread(self._fd, header_size, 8))
-        except (struct.error, ValueError) as e:
+            self._header, self._data_start = _read_header(self._fd)
+        except WeightLoadError as e:
             os.close(self._fd)
-            raise WeightLoadError(f"{path} is not a safetensors file: {e}") from e
-        header.pop("__metadata__", None)
-        self._header: dict[str, dict[str, Any]] = header
-        self._data_start = 8 + header_size
+            raise WeightLoadError(f"{path}: {e}") from None
         self.nbytes = sum(
-            end - begin for begin, end in (t["data_offsets"] for t in header.values())
+            end - begin for begin, end in (t["data_offsets"] for t in self._header.values())
         )
 
     def __enter__(self) -> SafetensorsFile:
@@ -146,12 +146,49 @@ class SafetensorsFile:
         entries = sorted(self._header.items(), key=lambda item: item[1]["data_offsets"][0])
         tensors = []
         for name, entry in entries:
-            if entry["dtype"] not in _DTYPES:
-                raise WeightLoadError(f"{self.path}: {name} has dtype {entry['dtype']}")
             begin, _ = entry["data_offsets"]
             dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
             tensors.append((name, FileTensor(self._fd, self._data_start + begin, dtype, shape)))
         return tensors
+
+
+def _read_header(fd: int) -> tuple[dict[str, dict[str, Any]], int]:
+    """The header's tensors by name, and where the data begins. Each tensor has a known dtype,
+    and a byte range the size its shape and dtype take, inside the file's data and apart from
+    the others' (what safetensors' own reader checks): else a truncated or corrupt file would
+    load wrong numbers."""
+    try:
+        (header_size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if header_size > _MAX_HEADER_BYTES:
+            raise WeightLoadError(f"a header of {header_size} bytes")
+        header = json.loads(os.pread(fd, header_size, 8))
+    except (struct.error, ValueError) as e:
+        raise WeightLoadError(f"not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise WeightLoadError("not a safetensors file: its header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_bytes = os.fstat(fd).st_size - 8 - header_size
+    end_so_far, ordered = 0, []
+    for name, entry in header.items():
+        try:
+            dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+            begin, end = entry["data_offsets"]
+            sizes = [*shape, begin, end]
+        except (KeyError, TypeError, ValueError):
+            message = f"{name}'s entry is not a known dtype, shape and data_offsets: {entry}"
+            raise WeightLoadError(message) from None
+        if not all(type(n) is int and n >= 0 for n in sizes):
+            raise WeightLoadError(f"{name}: shape and data_offsets must be counts: {entry}")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise WeightLoadError(f"{name}: {end - begin} bytes for {entry['dtype']} {shape}")
+        if end > data_bytes:
+            raise WeightLoadError(f"{name} ends past the end of the file (truncated?)")
+        ordered.append((begin, end, name))
+    for begin, end, name in sorted(ordered):
+        if begin < end_so_far:
+            raise WeightLoadError(f"{name} overlaps the tensor before it")
+        end_so_far = end
+    return header, 8 + header_size
 
 
 class FileTensor:
@@ -193,11 +230,33 @@ class FileTensor:
         return out
 
 
+def stored_float_dtype(model_dir: str) -> torch.dtype | None:
+    """The widest floating dtype the checkpoint's tensors are stored in (headers only): what
+    config.json's `torch_dtype` says, where that is not mislabelled; None if it has none."""
+    try:
+        files = safetensors_files(Path(model_dir))
+    except WeightLoadError:
+        return None  # load_weights says why, after the check that the weights fit
+    widest = None
+    for path in files:
+        with SafetensorsFile(path) as file:
+            for _, tensor in file.tensors():
+                if tensor.dtype.is_floating_point and (
+                    widest is None or tensor.dtype.itemsize > widest.itemsize
+                ):
+                    widest = tensor.dtype
+    return widest
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [path.name for path in files if not path.is_file()]
+        if missing:
+            raise WeightLoadError(f"{index.name} names files not in {model_dir}: {missing}")
+        return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"no .safetensors files in {model_dir}")

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import json
+import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,65 @@ def test_wrong_shape_is_named(tiny_model) -> None:
     path = tiny_model("llama")
     rewrite(path, lambda t: t.update({"model.norm.weight": torch.ones(3)}))
     with pytest.raises(WeightLoadError, match=r"model\.norm\.weight"):
+        load(path)
+
+
+def test_a_weight_in_two_files_is_refused_naming_both(tiny_model) -> None:
+    """A directory without an index is read file by file: a leftover file repeating a tensor
+    used to load half a fused weight over the other (k and v rows uninitialised)."""
+    path = tiny_model("llama")
+    tensors = load_file(path / "model.safetensors")
+    repeated = {k: v for k, v in tensors.items() if "layers.0.self_attn.q_proj" in k}
+    save_file(repeated, path / "zz-extra.safetensors", metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match=r"q_proj\.weight is in two files: .*zz-extra"):
+        load(path)
+
+
+def test_a_truncated_file_is_named(tiny_model) -> None:
+    path = tiny_model("llama")
+    file = path / "model.safetensors"
+    os.truncate(file, file.stat().st_size - 5000)
+    with pytest.raises(WeightLoadError, match=r"model\.safetensors: .* past the end of the file"):
+        load(path)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        {"dtype": "I8"},  # 1 byte an element where the range holds 4
+        {"shape": [64, 64]},
+        {"data_offsets": [0, 64 * 128 * 4]},  # over the first tensor's bytes
+        {"dtype": "X"},  # no such dtype
+        {"shape": [-1, 128]},
+    ],
+)
+def test_a_header_that_disagrees_with_its_data_is_refused(tiny_model, corrupt) -> None:
+    """safetensors' own reader checks each tensor's byte range against its shape and dtype, the
+    file's end and the other tensors; ours read shape x dtype from the range's start."""
+    path = tiny_model("llama")
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    name = "model.layers.0.mlp.down_proj.weight"  # [64, 128] float32
+    if "data_offsets" in corrupt:  # another tensor's start, its own length
+        first = min(e["data_offsets"][0] for k, e in header.items() if k != "__metadata__")
+        end = first + header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+        corrupt = {"data_offsets": [first, end]}
+    header[name].update(corrupt)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    file.write_bytes(data[:8] + text.ljust(size) + data[8 + size :])
+    with pytest.raises(WeightLoadError, match="down_proj|overlaps"):
+        load(path)
+
+
+def test_an_index_naming_a_missing_file_is_refused_before_reading(tiny_model) -> None:
+    path = tiny_model("llama", max_shard_size="100KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    (path / last).unlink()
+    with pytest.raises(WeightLoadError, match=f"names files not in .*{last}"):
         load(path)
 
 
