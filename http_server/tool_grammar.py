@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# A function without a `parameters` schema takes any object, as OpenAI reads it.
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# A function without `parameters` (or with `{}`) takes none: OpenAI reads it as "an empty
+# parameter list", and vLLM forces `{}`. Any object let the model invent arguments.
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_call_schema(
@@ -29,13 +30,13 @@ def tool_call_schema(
     if choice is not None:
         if choice not in functions:
             raise ValueError(f"tool_choice: the function {choice!r} is not among the tools")
-        return json.dumps(functions[choice] or ANY_OBJECT)
+        return json.dumps(functions[choice] or NO_PARAMETERS)
     items = [
         {
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [name]},
-                "parameters": parameters or ANY_OBJECT,
+                "parameters": parameters or NO_PARAMETERS,
             },
             "required": ["name", "parameters"],
             "additionalProperties": False,

@@ -123,8 +123,10 @@ class _Qwen25:
 
     def _name_early(self, out: Parsed) -> None:
         """The call's id and name as soon as the name is whole, before its arguments are."""
-        match = _NAME.search(self.buffer)
-        if self.named or match is None:
+        if self.named:
+            return
+        match = _top_level(_NAME, self.buffer)
+        if match is None:
             return
         name = json.loads(f'"{match.group(1)}"')
         out.calls.append(CallDelta(self.count, "", new_call_id(), name))
@@ -132,21 +134,19 @@ class _Qwen25:
         self.named = True
 
     def _arguments_early(self, out: Parsed) -> None:
-        """The arguments' JSON text as it comes, once the name went out. The last `}` and what
-        follows it are held back: they may close the call rather than the arguments."""
+        """The arguments' JSON object as it comes, once the name went out, up to its own closing
+        brace (what follows it, the call's other keys included, is not the arguments)."""
         if not self.named:
             return
         if self.args_start is None:
-            match = _ARGUMENTS.search(self.buffer)
+            match = _top_level(_ARGUMENTS, self.buffer)
             if match is None or not self.buffer[match.end() :].startswith("{"):
                 return  # an arguments string, or not yet there: it goes whole at the end
             self.args_start = match.end()
-        text = self.buffer[self.args_start :]
-        last = text.rfind("}")
-        safe = text if last < 0 else text[:last]
-        if len(safe) > self.args_sent:
-            out.calls.append(CallDelta(self.count - 1, safe[self.args_sent :]))
-            self.args_sent = len(safe)
+        arguments = _object_so_far(self.buffer[self.args_start :])
+        if len(arguments) > self.args_sent:
+            out.calls.append(CallDelta(self.count - 1, arguments[self.args_sent :]))
+            self.args_sent = len(arguments)
 
     def _close(self, out: Parsed, body: str, as_text: str) -> None:
         parsed = call_json(body.strip(), "arguments")
@@ -162,11 +162,47 @@ class _Qwen25:
             return
         # Its name (and maybe part of its arguments) went out: the rest of its arguments.
         if self.args_start is not None:
-            raw = body[self.args_start :].rstrip().removesuffix("}").rstrip()
-            rest = raw[self.args_sent :]
+            rest = _object_so_far(body[self.args_start :])[self.args_sent :]
         else:
             rest = "{}" if parsed is None else parsed[1]
         out.calls.append(CallDelta(self.count - 1, rest))
+
+
+def _top_level(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    """The first match of `pattern` that begins among the keys of the call's own object (the
+    text's first `{`), not inside its arguments or a string."""
+    depths = _depths(text)
+    return next((m for m in pattern.finditer(text) if depths[m.start()] == 1), None)
+
+
+def _object_so_far(text: str) -> str:
+    """The JSON object that `text` begins with, up to its closing brace, or all of `text`
+    while it is still open."""
+    depths = _depths(text)
+    end = next((i for i, ch in enumerate(text) if ch in "}]" and depths[i] == 1), None)
+    return text if end is None else text[: end + 1]
+
+
+def _depths(text: str) -> list[int | None]:
+    """The JSON nesting depth before each character of `text`; None inside a string."""
+    depths: list[int | None] = []
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        depths.append(None if in_string else depth)
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+    return depths
 
 
 class _Llama3:

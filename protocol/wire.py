@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from radixserve.protocol.schema_keywords import unenforced_keyword
+
 # Bounds on what a client controls. Integers that become int64 tensor entries must fit one (a
 # seed of 2**63 once killed the scheduler); counts and lengths past these are mistakes or attacks.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -210,8 +212,9 @@ class AbortRequest(_Request, tag="abort"):
 
 def check_grammar(field: str, spec: str) -> None:
     """What can be checked of a grammar spec without compiling it: its size, and that a JSON
-    schema is JSON. The rest (an unsupported schema, a bad regex) is found by the scheduler's
-    compile, which answers with an error naming the field as well."""
+    schema is JSON and uses no keyword the grammar would not enforce. The rest (a schema the
+    compiler refuses, a bad regex) is found by the scheduler's compile, which answers with an
+    error naming the field as well."""
     if len(spec.encode()) > MAX_GRAMMAR_BYTES:
         raise ValueError(f"{field} must be at most {MAX_GRAMMAR_BYTES} bytes")
     if field == "json_schema":
@@ -221,6 +224,9 @@ def check_grammar(field: str, spec: str) -> None:
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("json_schema must be a JSON object (a schema)")
+        unenforced = unenforced_keyword(schema)
+        if unenforced is not None:
+            raise ValueError(f"json_schema: {unenforced}")
 
 
 def check_prompt_top_logprobs(field: str, top: int, prompt_tokens: int) -> None:

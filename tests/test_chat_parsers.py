@@ -100,6 +100,36 @@ def test_qwen25_streamed_name_first_then_arguments(size):
         assert len([d for d in deltas if d.index == 0 and d.arguments]) > 3
 
 
+@pytest.mark.parametrize(
+    "call, name, arguments",
+    [
+        # a key after the arguments: it was streamed as part of them
+        ('{"name": "f", "arguments": {"a": 1}, "id": "z"}', "f", {"a": 1}),
+        # the arguments first, holding a "name" of their own: that was taken for the call's
+        ('{"arguments": {"name": "x", "s": "}{\\""}, "name": "f"}', "f", {"name": "x", "s": '}{"'}),
+        # braces and quotes inside strings
+        (
+            '{"name": "f", "arguments": {"s": "a}b\\"c", "t": [{"u": "]"}]}}',
+            "f",
+            {"s": 'a}b"c', "t": [{"u": "]"}]},
+        ),
+    ],
+)
+@pytest.mark.parametrize("size", [1, 3, 64])
+def test_qwen25_streams_exactly_the_calls_own_name_and_arguments(call, name, arguments, size):
+    text = f"<tool_call>{call}</tool_call>"
+    _, whole = parse_tool_calls("qwen25", text)
+    assert whole[0]["function"]["name"] == name
+    assert json.loads(whole[0]["function"]["arguments"]) == arguments
+    parser, deltas = tool_call_parser("qwen25"), []
+    for chunk in pieces(text, size):
+        deltas += parser.feed(chunk).calls
+    deltas += parser.finish().calls
+    [streamed] = merge_calls(deltas)
+    assert streamed["function"]["name"] == name
+    assert json.loads(streamed["function"]["arguments"]) == arguments
+
+
 def test_qwen25_not_a_call_stays_text_and_a_cut_call_parses_if_whole():
     broken = "Hi <tool_call>not json</tool_call> there"
     assert parse_tool_calls("qwen25", broken) == (broken, [])

@@ -168,6 +168,8 @@ def test_tool_choice_forces_a_call_against_the_schema(oai, model) -> None:
         {"type": "function", "function": {"name": "get_time", "parameters": None}},
     ]
     messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    # One call for "required" (parallel_tool_calls false): greedy, this small model repeats
+    # `{"name": "get_time", "parameters": {}}` until max_tokens.
     for stream in (False, True):
         for choice, max_tokens in (
             ({"type": "function", "function": {"name": "get_weather"}}, 60),
@@ -182,6 +184,7 @@ def test_tool_choice_forces_a_call_against_the_schema(oai, model) -> None:
                     max_tokens=max_tokens,
                     temperature=0,
                     stream=stream,
+                    parallel_tool_calls=choice != "required",
                 ),
                 stream,
             )

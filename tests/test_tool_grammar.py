@@ -49,8 +49,11 @@ def test_a_named_function_allows_its_arguments_only(compiler) -> None:
     assert [(n, json.loads(a)) for n, a in calls] == [
         ("get_weather", {"city": "Oslo", "unit": "c"})
     ]
-    # A function without parameters takes any object.
-    assert accepts(compiler, tool_call_schema(FUNCTIONS, "ping"), {"x": 1})
+    # A function without parameters takes none (OpenAI: "an empty parameter list"): any object
+    # let a model invent arguments that the function does not take.
+    assert accepts(compiler, tool_call_schema(FUNCTIONS, "ping"), {})
+    assert not accepts(compiler, tool_call_schema(FUNCTIONS, "ping"), {"x": 1})
+    assert not accepts(compiler, tool_call_schema({"ping": {}}, "ping"), {"x": 1})
 
 
 def test_required_allows_a_non_empty_list_of_the_tools_calls(compiler) -> None:
@@ -63,6 +66,9 @@ def test_required_allows_a_non_empty_list_of_the_tools_calls(compiler) -> None:
     assert not accepts(compiler, schema, json.loads('[{"name":"other","parameters":{}}]'))
     assert not accepts(
         compiler, schema, json.loads('[{"name":"get_weather","parameters":{"city":"R"}}]')
+    )
+    assert not accepts(
+        compiler, schema, json.loads('[{"name":"ping","parameters":{"city":"Rome"}}]')
     )
     names = [name for name, _ in constrained_tool_calls(two, None)]
     assert names == ["get_weather", "ping"]
