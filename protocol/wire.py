@@ -18,6 +18,11 @@ from radixserve.protocol.schema_keywords import unenforced_keyword
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # completions of one request (OpenAI's limit)
 MAX_TOP_K = 2**31 - 1  # any k past the vocabulary keeps every token
+# The sampler holds these as 32-bit floats: past the bound a temperature was infinite, and a
+# repetition penalty or top_p under it was 0 (a logit divided by it infinite); each drew the same
+# token whatever the seed.
+MAX_TEMPERATURE = 1_000_000
+MIN_FRACTION = 1e-6  # top_p's and repetition_penalty's least
 MAX_TOP_LOGPROBS = 256
 # Top logprobs of a prompt in all (its tokens scored x top_logprobs_num): each is held as a Python
 # pair, about 100 bytes, from the scheduler to the reply. vLLM's 20 a position over a 32k
@@ -101,14 +106,20 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             self.seed, self.sampling_seed = self.sampling_seed, None
         checks = [
             (self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (
+                0 <= self.temperature <= MAX_TEMPERATURE,
+                f"temperature must be in [0, {MAX_TEMPERATURE}]",
+            ),
+            (MIN_FRACTION <= self.top_p <= 1, "top_p must be in [1e-6, 1]"),
             (
                 self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K,
                 f"top_k must be -1 (off) or in [1, {MAX_TOP_K}]",
             ),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (0 < self.repetition_penalty <= 2, "repetition_penalty must be in (0, 2]"),
+            (
+                MIN_FRACTION <= self.repetition_penalty <= 2,
+                "repetition_penalty must be in [1e-6, 2]",
+            ),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}]"),

@@ -329,7 +329,11 @@ def test_closing_a_stream_early_aborts_it(server, client):
 @pytest.mark.parametrize(
     "kwargs, names",
     [
-        ({"sampling_params": {"temperature": -1}}, "temperature must be >= 0"),
+        ({"sampling_params": {"temperature": -1}}, "temperature must be in [0, 1000000]"),
+        # infinite, and 0, as the sampler's 32-bit floats
+        ({"sampling_params": {"temperature": 1e39}}, "temperature must be in [0, 1000000]"),
+        ({"sampling_params": {"repetition_penalty": 1e-50}}, "repetition_penalty must be in"),
+        ({"sampling_params": {"top_p": 1e-50}}, "top_p must be in [1e-6, 1]"),
         ({"sampling_params": {"temprature": 1}}, "unknown field `temprature`"),
         ({"sampling_params": {"seed": 2**64}}, "serialize ints"),
         ({"input_ids": [1]}, "exactly one of text, input_ids or messages"),
@@ -523,6 +527,6 @@ def test_cli_reports_errors(server, capsys):
     assert main(["--port", str(server.port), "--timeout", "0.1", "hang"]) == 1
     assert "no reply" in capsys.readouterr().err
     assert main(["--port", str(server.port), "--temperature", "-1", "x"]) == 1
-    assert "invalid_request: temperature must be >= 0" in capsys.readouterr().err
+    assert "invalid_request: temperature must be in [0, 1000000]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--port", str(server.port)])

@@ -17,6 +17,7 @@ from radixserve.model_worker.sampler import (
     _filter,
     mix64,
 )
+from radixserve.protocol.wire import MAX_TEMPERATURE, MIN_FRACTION
 from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
 
 VOCAB = 50
@@ -210,6 +211,30 @@ def test_seeded_draws_follow_the_distribution() -> None:
         counts = torch.bincount(seen, minlength=8).double()
         chi2 = ((counts - n * expected) ** 2 / (n * expected)).sum()
         assert chi2 < 24.3, f"chi-square {chi2:.1f}"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperatures": [MAX_TEMPERATURE] * 100},
+        {
+            "repetition_penalties": [MIN_FRACTION] * 100,
+            # every allowed token already seen: every one penalized
+            "seen": {i: SeenTokens.of(list(range(10, VOCAB)), []) for i in range(100)},
+        },
+    ],
+)
+def test_the_wires_extreme_values_still_draw(fields) -> None:
+    """At the bounds the wire takes (a temperature past them was infinite as a 32-bit float, a
+    repetition penalty under them 0): draws still follow the seeds, masked tokens (-inf, as a
+    grammar or min_tokens leaves them) still never drawn. Past the bounds every row drew one
+    token, whatever its seed."""
+    logits = torch.randn(100, VOCAB, generator=torch.Generator().manual_seed(0)) * 30
+    logits[:, :10] = float("-inf")
+    info = make_info(100, seeded=[True] * 100, seeds=torch.arange(100), **fields)
+    drawn = Sampler(CPU, seed=0)(logits, info).next_token_ids
+    assert drawn.min() >= 10
+    assert len(set(drawn.tolist())) > 5
 
 
 def test_mix64_is_splitmix64_mod_2_64() -> None:
