@@ -65,6 +65,7 @@ class ServerArgs(msgspec.Struct, frozen=True, kw_only=True):
     speculative_ngram_max_match_window_size: int = 12
     speculative_disable_by_batch_size: int = 4  # more running requests: no speculation
     max_request_bytes: int = 64 * 1024 * 1024
+    http_body_timeout: float = 60.0  # seconds an HTTP request's body may take to arrive
     max_queued_requests: int = 1024  # waiting requests; past it, new ones get `overloaded`
     # Before the scheduler (tokenizer_manager/intake.py): past these, `overloaded` at once.
     max_pending_requests: int = 1024
@@ -203,6 +204,8 @@ _HELP = {
     "speculative_disable_by_batch_size": "a step speculates only while at most this many "
     "requests run: at larger batches the extra rows cost real compute",
     "max_request_bytes": "largest request frame; a client sending a larger one is disconnected",
+    "http_body_timeout": "seconds an HTTP request's body may take to arrive, from its headers; "
+    "past it, 408 (a body that never comes must not hold its place among the pending requests)",
     "max_queued_requests": "requests that may wait for admission; past it, new ones get an "
     "`overloaded` error",
     "max_pending_requests": "generates received but not yet handed to the scheduler (being "
@@ -268,6 +271,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "node_rank": (0, None),
     "log_interval": (1, None),
     "max_request_bytes": (1024, None),
+    "http_body_timeout": (0.1, None),
     "max_queued_requests": (1, None),
     "max_reply_backlog_bytes": (1, None),
     "max_total_reply_backlog_bytes": (1, None),

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from radixserve.http_server.bounded_head import BoundedHeadProtocol
 from radixserve.http_server.front import Front, HttpError, error_response
 from radixserve.http_server.native_api import NativeApi
 from radixserve.http_server.openai_api import OpenAIApi
@@ -89,6 +90,7 @@ class HttpServer(uvicorn.Server):
     def __init__(self, manager: TokenizerManager, sock: socket.socket):
         config = uvicorn.Config(
             build_app(manager),
+            http=BoundedHeadProtocol,
             log_config=None,
             access_log=False,
             lifespan="off",

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from radixserve.protocol.wire import ErrorReply, GenerateRequest, OutputReply
@@ -30,6 +30,7 @@ STATUS = {
     "unauthorized": 401,
     "not_found": 404,
     "method_not_allowed": 405,
+    "request_timeout": 408,
     "too_large": 413,
     "unsupported_media_type": 415,
     "overloaded": 503,
@@ -124,6 +125,16 @@ class Front:
         except ClientError as e:
             raise HttpError(e.code, e.message) from None
         request.state.intake_ticket = ticket
+        timeout = self.manager.args.http_body_timeout
+        try:
+            return await asyncio.wait_for(self._read_body(request, ticket), timeout)
+        except asyncio.TimeoutError:
+            message = f"the body did not arrive within {timeout:g} s (--http-body-timeout)"
+            raise HttpError("request_timeout", message) from None
+        except ClientDisconnect:  # nobody reads the answer: not worth a traceback in the log
+            raise HttpError("invalid_request", "the client left before its body ended") from None
+
+    async def _read_body(self, request: Request, ticket: Ticket) -> bytes:
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)

@@ -6,10 +6,11 @@ answer is checked against the ZMQ client's answer to the same request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 import openai
@@ -19,8 +20,9 @@ from tm_harness import tokenizer_manager
 
 from radixserve.client import Client
 from radixserve.client.local_server import LaunchedServer, launched_server
-from radixserve.http_server.app import build_app
-from radixserve.protocol.internal import HealthReq
+from radixserve.http_server.app import HttpServer, bind, build_app
+from radixserve.http_server.bounded_head import MAX_HEAD_BYTES
+from radixserve.protocol.internal import HealthReq, TokenizedGenerateReq
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 CHAT = [{"role": "user", "content": "Hi there"}]
@@ -394,5 +396,87 @@ def test_an_openai_request_holds_its_place_in_the_intake_while_it_is_tokenized(
                 assert len(sent.input_ids) > 10**5
                 assert h.manager.intake.total.requests == 0
                 long.cancel()
+
+    asyncio.run(scenario())
+
+
+@contextlib.asynccontextmanager
+async def http_on_socket(manager) -> AsyncIterator[str]:
+    """The HTTP server as the tokenizer manager's process runs it (uvicorn on its loop, a real
+    socket), over a tm_harness manager: its base URL."""
+    server = HttpServer(manager, bind("127.0.0.1", 0))
+    port = server.sock.getsockname()[1]
+    task = asyncio.create_task(server.run_on_loop())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+async def _status_line(reader: asyncio.StreamReader) -> bytes:
+    return await asyncio.wait_for(reader.readline(), 10)
+
+
+def test_a_body_that_never_comes_gives_back_its_place(tiny_served_model):
+    """A body counts against the intake's caps from its headers on: two that never arrive held
+    the client's two places for good, and everyone at its address (a proxy's clients) was
+    refused. Past --http-body-timeout they are answered 408 and their places come back."""
+
+    async def scenario() -> None:
+        caps = {"max_pending_requests_per_client": 2, "http_body_timeout": 1.0}
+        async with (
+            tokenizer_manager(tiny_served_model, **caps) as h,
+            http_on_socket(h.manager) as url,
+        ):
+            port = int(url.rsplit(":", 1)[1])
+            head = (
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                b'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"pro'
+            )
+            stalled = []
+            for _ in range(2):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(head)
+                stalled.append((reader, writer))
+            body = {"model": str(tiny_served_model), "prompt": "Hi", "max_tokens": 1}
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                while h.manager.intake.total.requests < 2:
+                    await asyncio.sleep(0.01)
+                refused = await http.post("/v1/completions", json=body)
+                assert refused.status_code == 503, refused.text
+                for reader, writer in stalled:
+                    assert (await _status_line(reader)).startswith(b"HTTP/1.1 408"), "no 408"
+                    writer.close()
+                served = asyncio.create_task(http.post("/v1/completions", json=body))
+                assert isinstance(await h.to_scheduler(), TokenizedGenerateReq)
+                served.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_huge_head_is_refused_before_it_is_read_whole(tiny_served_model):
+    """httptools bounds no header, and builds one by `bytes +=`: a header of 160 MiB held the
+    loop that ZMQ clients share for seconds. A head over MAX_HEAD_BYTES is a 431, at once, and
+    the server goes on serving."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h, http_on_socket(h.manager) as url:
+            port = int(url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Big: ")
+            for _ in range(2):  # in two pieces (a client writing on would meet a reset)
+                writer.write(b"a" * MAX_HEAD_BYTES)
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            reply = await asyncio.wait_for(reader.read(), 10)
+            assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
+            assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == "too_large"
+            writer.close()
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                big_but_fine = {"X-Fine": "b" * (MAX_HEAD_BYTES // 2)}
+                assert (await http.get("/v1/models", headers=big_but_fine)).status_code == 200
 
     asyncio.run(scenario())
