@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -455,6 +456,31 @@ def test_a_body_that_never_comes_gives_back_its_place(tiny_served_model):
                 served.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_client_leaving_mid_body_logs_no_traceback(tiny_served_model, caplog):
+    """Starlette's ClientDisconnect escaped the handler: ~45 lines of traceback a time, which
+    any client could repeat into the log."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h, http_on_socket(h.manager) as url:
+            port = int(url.rsplit(":", 1)[1])
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+                )
+                await writer.drain()
+                while h.manager.intake.total.requests == 0:
+                    await asyncio.sleep(0.01)
+                writer.close()
+                while h.manager.intake.total.requests:  # its place given back
+                    await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(scenario())
+    assert not [r for r in caplog.records if r.exc_info], caplog.text[:2000]
 
 
 def test_a_huge_head_is_refused_before_it_is_read_whole(tiny_served_model):
