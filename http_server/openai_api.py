@@ -80,7 +80,7 @@ class _Choices:
         return out.choice(reply, self.n, {"delta": delta}, logprobs, output.finish_reason(reason))
 
     def _echo(self, reply: OutputReply) -> str:
-        return "" if self.echoes is None else self.echoes[int(reply.rid)]
+        return "" if self.echoes is None else self.echoes[out.prompt_index(reply)]
 
 
 class OpenAIApi:
@@ -137,7 +137,10 @@ class OpenAIApi:
             return await tokenization.input_ids_async(GenerateRequest(text=text, input_ids=ids))
 
         prompt_ids = await _tokenized(asyncio.gather(*map(ids, prompts)))
-        generates, sent = _checked(protocol.completion_generates, req, prompt_ids, self._limits())
+        head = out.new_head(self.model_name, chat=False)
+        generates, sent = _checked(
+            protocol.completion_generates, req, prompt_ids, self._limits(), head.id
+        )
         echoes = None
         if req.echo:
             echoes = await asyncio.gather(
@@ -146,7 +149,8 @@ class OpenAIApi:
                     for p in prompts
                 )
             )
-        return await self._respond(request, req, generates, sent, _Choices(req.n, echoes, None))
+        choices = _Choices(req.n, echoes, None)
+        return await self._respond(request, req, head, generates, sent, choices)
 
     async def chat_completions(self, request: Request) -> Response:
         req = await self._decode(request, ChatCompletionRequest)
@@ -156,14 +160,15 @@ class OpenAIApi:
         tools = protocol.template_tools(req)
         tokenization = self.front.manager.tokenization
         input_ids = await _tokenized(tokenization.chat_ids_async(messages, tools, kwargs))
-        generate, sent = _checked(protocol.chat_generate, req, input_ids, self._limits())
+        head = out.new_head(self.model_name, chat=True)
+        generate, sent = _checked(protocol.chat_generate, req, input_ids, self._limits(), head.id)
         # A grammar writes the output (response_format, regex, a forced call): no thinking part
         # to split off, and a parser that waits for </think> would take all of it.
         constrained = generate.sampling_params.grammar is not None
         reasoning = self.reasoning_parser if req.separate_reasoning and not constrained else None
         tool_parser = self._tool_calls(req)
         choices = _Choices(req.n, None, lambda: ChatOutput(reasoning, tool_parser()))
-        return await self._respond(request, req, [generate], sent, choices)
+        return await self._respond(request, req, head, [generate], sent, choices)
 
     def _limits(self) -> tuple[int, int]:
         """(context length, the KV pool's tokens): what an output's length must fit."""
@@ -207,6 +212,7 @@ class OpenAIApi:
         self,
         request: Request,
         req: CompletionRequest | ChatCompletionRequest,
+        head: out.Head,
         generates: list[GenerateRequest],
         sent: set[str],
         choices: _Choices,
@@ -214,8 +220,7 @@ class OpenAIApi:
         defaults = self.front.manager.sampling_defaults
         generates = [fill_sampling_defaults(g, sent, defaults) for g in generates]
         outputs = self.front.outputs(request, generates)
-        chat = choices.chat_output is not None
-        head = out.new_head(self.model_name, chat)
+        chat = head.chat
         if req.stream:
             first = await anext(outputs, None)  # an error before any output is an HTTP status
             events = self._events(head, choices, req.include_usage, first, outputs)

@@ -369,9 +369,10 @@ def forced_tool_schema(req: ChatCompletionRequest) -> str | None:
 
 
 def completion_generates(
-    req: CompletionRequest, prompt_ids: list[list[int]], limits: tuple[int, int]
+    req: CompletionRequest, prompt_ids: list[list[int]], limits: tuple[int, int], response_id: str
 ) -> tuple[list[GenerateRequest], set]:
-    """One generate per prompt (its ids tokenized already)."""
+    """One generate per prompt (its ids tokenized already), prompt i's rid `{response_id}-{i}`
+    (as vLLM names them: the id the client has is in the server's log)."""
     top = _logprobs_count("logprobs", req.logprobs)
     generates: list[GenerateRequest] = []
     sent: set[str] = set()
@@ -386,7 +387,7 @@ def completion_generates(
         _check_output_top_logprobs("logprobs", top, limit, "max_tokens", completions)
         params, sent = sampling_params(req, limit)
         generate = GenerateRequest(
-            rid=str(i),
+            rid=f"{response_id}-{i}",
             input_ids=ids,
             sampling_params=params,
             stream=req.stream,
@@ -400,7 +401,7 @@ def completion_generates(
 
 
 def chat_generate(
-    req: ChatCompletionRequest, input_ids: list[int], limits: tuple[int, int]
+    req: ChatCompletionRequest, input_ids: list[int], limits: tuple[int, int], response_id: str
 ) -> tuple[GenerateRequest, set]:
     top = _logprobs_count("top_logprobs", req.top_logprobs)
     if top and not req.logprobs:
@@ -414,7 +415,7 @@ def chat_generate(
     _check_output_top_logprobs("top_logprobs", top, limit, field, max(1, req.n))
     params, sent = sampling_params(req, limit)
     generate = GenerateRequest(
-        rid="0",
+        rid=f"{response_id}-0",
         input_ids=input_ids,
         sampling_params=params,
         stream=req.stream,

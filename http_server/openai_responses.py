@@ -51,9 +51,14 @@ class Usage:
         }
 
 
+def prompt_index(reply: OutputReply) -> int:
+    """Which of the HTTP request's prompts `reply` answers: its rid ends `-{index}`."""
+    return int(reply.rid.rpartition("-")[2])
+
+
 def choice_index(reply: OutputReply, n: int) -> int:
     """Choices count prompt by prompt, each prompt's n completions in a row (as OpenAI)."""
-    return int(reply.rid) * n + (reply.index or 0)
+    return prompt_index(reply) * n + (reply.index or 0)
 
 
 def finish_reason(reply: OutputReply) -> str | None:

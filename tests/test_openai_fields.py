@@ -401,22 +401,22 @@ def test_output_top_logprobs_are_bounded_over_every_completion():
 
     limits = (40960, 262144)
     chat = {"messages": CHAT, "logprobs": True, "top_logprobs": 256, "n": 128}
-    generate, _ = chat_generate(msgspec.convert(chat, ChatCompletionRequest), [1, 2], limits)
+    generate, _ = chat_generate(msgspec.convert(chat, ChatCompletionRequest), [1, 2], limits, "c")
     assert generate.sampling_params.max_new_tokens == MAX_OUTPUT_TOP_LOGPROBS // (256 * 128)
     with pytest.raises(BadField) as refused_chat:
         chat_generate(
-            msgspec.convert(chat | {"max_tokens": 33}, ChatCompletionRequest), [1], limits
+            msgspec.convert(chat | {"max_tokens": 33}, ChatCompletionRequest), [1], limits, "c"
         )
     assert refused_chat.value.param == "top_logprobs"
     text = {"prompt": ["a", "b"], "logprobs": 256, "n": 2, "max_tokens": 1025}
     with pytest.raises(BadField) as refused_text:  # 2 prompts x 2 x 1,025 x 256 > 2^20
-        completion_generates(msgspec.convert(text, CompletionRequest), [[1], [2]], limits)
+        completion_generates(msgspec.convert(text, CompletionRequest), [[1], [2]], limits, "c")
     assert refused_text.value.param == "logprobs" and "4 completions" in str(refused_text.value)
     fits = text | {"max_tokens": 1024}
-    assert (
-        len(completion_generates(msgspec.convert(fits, CompletionRequest), [[1], [2]], limits)[0])
-        == 2
+    generates, _ = completion_generates(
+        msgspec.convert(fits, CompletionRequest), [[1], [2]], limits, "cmpl-x"
     )
+    assert [g.rid for g in generates] == ["cmpl-x-0", "cmpl-x-1"]  # the client's id, in the log
 
 
 def test_echoed_prompt_top_logprobs_in_all_are_bounded_naming_logprobs():
@@ -438,9 +438,9 @@ def test_echoed_prompt_top_logprobs_in_all_are_bounded_naming_logprobs():
         return msgspec.convert(body, CompletionRequest)
 
     with pytest.raises(BadField, match="logprobs: 256 top logprobs for each") as info:
-        completion_generates(request(echo=True, logprobs=256), prompt, limits)
+        completion_generates(request(echo=True, logprobs=256), prompt, limits, "c")
     assert info.value.param == "logprobs"
-    (fine,), _ = completion_generates(request(echo=True, logprobs=20), prompt, limits)
+    (fine,), _ = completion_generates(request(echo=True, logprobs=20), prompt, limits, "c")
     assert fine.top_logprobs_num == 20 and fine.logprob_start_len == 0
-    (unechoed,), _ = completion_generates(request(logprobs=256), prompt, limits)
+    (unechoed,), _ = completion_generates(request(logprobs=256), prompt, limits, "c")
     assert unechoed.logprob_start_len == -1  # no prompt logprobs: nothing to bound

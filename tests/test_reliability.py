@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 import zmq
@@ -257,6 +258,10 @@ def test_every_request_is_logged(server):
         stream = c.stream("Hi", rid="logged-abort", sampling_params={"max_new_tokens": 500})
         next(stream)
         stream.close()  # aborts it
+    # An OpenAI request's line names the id its client was given (each was rid '0' before).
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    reply = httpx.post(f"{server.http_url}/v1/chat/completions", json=chat, timeout=60)
+    response_id = reply.json()["id"]
     raw = {"type": "generate", "rid": "logged-bad", "text": "Hi", "stream": 7}
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
         sock.connect(server.address)
@@ -276,6 +281,7 @@ def test_every_request_is_logged(server):
     assert "finish_reason=abort" in line("logged-abort")
     bad = line("logged-bad")
     assert "Fail:" in bad and "code=invalid_request" in bad and "stream" in bad
+    assert "Finish:" in line(f"{response_id}-0")
 
 
 # ---- shutdown (last: it stops this module's server) ------------------------------------------
