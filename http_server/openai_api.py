@@ -57,7 +57,7 @@ class _Choices:
         reason = out.finish_reason(reply)
         if self.chat_output is None:
             return out.choice(
-                reply, self.n, {"text": self._echo(reply) + reply.text}, logprobs, reason
+                reply, self.n, {"text": self.echo(reply) + reply.text}, logprobs, reason
             )
         output = self.chat_output()
         message = output.message(reply.text)
@@ -68,7 +68,7 @@ class _Choices:
     def piece(self, reply: OutputReply, first: bool, logprobs: Any) -> dict[str, Any]:
         reason = out.finish_reason(reply)
         if self.chat_output is None:
-            text = (self._echo(reply) if first else "") + reply.text
+            text = (self.echo(reply) if first else "") + reply.text
             return out.choice(reply, self.n, {"text": text}, logprobs, reason)
         index = out.choice_index(reply, self.n)
         output = self.outputs.get(index)
@@ -79,7 +79,7 @@ class _Choices:
             delta = {"role": "assistant", **delta}
         return out.choice(reply, self.n, {"delta": delta}, logprobs, output.finish_reason(reason))
 
-    def _echo(self, reply: OutputReply) -> str:
+    def echo(self, reply: OutputReply) -> str:
         return "" if self.echoes is None else self.echoes[out.prompt_index(reply)]
 
 
@@ -241,11 +241,16 @@ class OpenAIApi:
         rest: AsyncIterator[OutputReply],
     ) -> AsyncIterator[bytes]:
         usage, started = out.Usage(), set()
+        text_offsets: dict[int, int] = {}  # each completion choice's text so far, as vLLM counts
         try:
             replies = rest if first is None else _chain(first, rest)
             async for reply in replies:
                 index = out.choice_index(reply, choices.n)
-                logprobs = await self._logprobs(reply, head.chat)
+                start = text_offsets.get(index, len(choices.echo(reply)))
+                logprobs = await self._logprobs(reply, head.chat, start)
+                if logprobs is not None and not head.chat:
+                    prompt = len(reply.meta_info.input_token_logprobs or [])
+                    text_offsets[index] = start + sum(map(len, logprobs["tokens"][prompt:]))
                 piece = choices.piece(reply, index not in started, logprobs)
                 started.add(index)
                 if _says_nothing(piece):
@@ -260,13 +265,17 @@ class OpenAIApi:
                 yield sse(out.chunk_body(head, [], usage))
         yield SSE_DONE
 
-    async def _logprobs(self, reply: OutputReply, chat: bool) -> dict[str, Any] | None:
+    async def _logprobs(
+        self, reply: OutputReply, chat: bool, output_offset: int | None = None
+    ) -> dict[str, Any] | None:
         ids = out.logprob_token_ids(reply)
         if reply.meta_info.output_token_logprobs is None:
             return None
         unique = list(dict.fromkeys(ids))
         texts = dict(zip(unique, await self.front.manager.tokenization.token_texts_async(unique)))
-        return out.chat_logprobs(reply, texts) if chat else out.completion_logprobs(reply, texts)
+        if chat:
+            return out.chat_logprobs(reply, texts)
+        return out.completion_logprobs(reply, texts, output_offset)
 
 
 def _says_nothing(piece: dict[str, Any]) -> bool:

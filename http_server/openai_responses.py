@@ -66,9 +66,22 @@ def finish_reason(reply: OutputReply) -> str | None:
     return None if reason is None else reason.type
 
 
-def completion_logprobs(reply: OutputReply, texts: dict[int, str]) -> dict[str, Any] | None:
+# What a logprob of -inf (a token a grammar, logit_bias or min_tokens ruled out) is sent as: JSON
+# has no infinity (it was null), OpenAI's logprob is always a number, and vLLM sends this.
+MIN_LOGPROB = -9999.0
+
+
+def _number(logprob: float | None) -> float | None:
+    return logprob if logprob is None else max(logprob, MIN_LOGPROB)
+
+
+def completion_logprobs(
+    reply: OutputReply, texts: dict[int, str], output_offset: int | None = None
+) -> dict[str, Any] | None:
     """/v1/completions' logprobs: parallel lists over the reply's tokens, after the prompt's
-    when it is echoed (its first token has no logprob: null, as OpenAI's)."""
+    when it is echoed (its first token has no logprob: null, as OpenAI's). `output_offset`:
+    where the reply's output tokens begin in its choice's text (a stream's: after its earlier
+    chunks); else right after the prompt's."""
     meta = reply.meta_info
     if meta.output_token_logprobs is None:
         return None
@@ -76,7 +89,9 @@ def completion_logprobs(reply: OutputReply, texts: dict[int, str]) -> dict[str, 
     prompt_top: list[list[tuple[float, int]] | None] = list(meta.input_top_logprobs or [])
     entries = [*prompt, *meta.output_token_logprobs]
     offsets, offset = [], 0
-    for _, token in entries:
+    for i, (_, token) in enumerate(entries):
+        if i == len(prompt) and output_offset is not None:
+            offset = output_offset
         offsets.append(offset)
         offset += len(texts[token])
     top: list[list[tuple[float, int]] | None] | None = None
@@ -85,10 +100,10 @@ def completion_logprobs(reply: OutputReply, texts: dict[int, str]) -> dict[str, 
         top += meta.output_top_logprobs
     return {
         "tokens": [texts[token] for _, token in entries],
-        "token_logprobs": [logprob for logprob, _ in entries],
+        "token_logprobs": [_number(logprob) for logprob, _ in entries],
         "top_logprobs": None
         if top is None
-        else [None if p is None else {texts[t]: lp for lp, t in p} for p in top],
+        else [None if p is None else {texts[t]: _number(lp) for lp, t in p} for p in top],
         "text_offset": offsets,
     }
 
@@ -102,7 +117,7 @@ def chat_logprobs(reply: OutputReply, texts: dict[int, str]) -> dict[str, Any] |
 
     def entry(logprob: float, token: int) -> dict[str, Any]:
         text = texts[token]
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _number(logprob), "bytes": list(text.encode())}
 
     return {
         "content": [

@@ -506,3 +506,38 @@ def test_a_huge_head_is_refused_before_it_is_read_whole(tiny_served_model):
                 assert (await http.get("/v1/models", headers=big_but_fine)).status_code == 200
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_text_offsets_run_on_as_the_whole_answers(server, model, echo):
+    """A streamed completion's `text_offset` restarted at 0 in every chunk; it runs on through
+    the choice's text (the echoed prompt's too, whose logprobs come in the last chunk)."""
+    url = f"{server.http_url}/v1/completions"
+    body = {"model": model, "prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+    body |= {"logprobs": 2, "echo": echo}
+    whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]["logprobs"]
+    streamed = []
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    logprobs = choice["logprobs"] or {"text_offset": [], "tokens": []}
+                    streamed += zip(logprobs["text_offset"], logprobs["tokens"])
+    assert len(streamed) > 6 if echo else len(streamed) == 6
+    assert sorted(streamed) == sorted(zip(whole["text_offset"], whole["tokens"]))
+
+
+def test_logprobs_of_tokens_a_grammar_rules_out_are_numbers(server, model):
+    """Their logprob is -inf, which JSON wrote as null; OpenAI's is always a number, and vLLM
+    sends -9999.0."""
+    completion = {"model": model, "prompt": "Answer:", "regex": "(yes|no)", "max_tokens": 5}
+    completion |= {"logprobs": 3, "temperature": 0}
+    r = httpx.post(f"{server.http_url}/v1/completions", json=completion, timeout=60)
+    tops = [v for top in r.json()["choices"][0]["logprobs"]["top_logprobs"] for v in top.values()]
+    assert all(isinstance(v, float) for v in tops) and min(tops) == -9999.0
+    chat = {"model": model, "messages": CHAT, "regex": "(yes|no)", "max_tokens": 5}
+    chat |= {"logprobs": True, "top_logprobs": 3, "temperature": 0}
+    r = httpx.post(f"{server.http_url}/v1/chat/completions", json=chat, timeout=60)
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    tops = [alt["logprob"] for entry in content for alt in entry["top_logprobs"]]
+    assert all(isinstance(v, float) for v in tops) and min(tops) == -9999.0
