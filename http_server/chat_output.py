@@ -7,7 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.http_server.reasoning_parser import ReasoningParser
-from radixserve.http_server.tool_parser import CallDelta, ToolCallParser, chunk_calls, merge_calls
+from radixserve.http_server.tool_parser import (
+    CallDelta,
+    ForcedCalls,
+    ToolCallParser,
+    chunk_calls,
+    merge_calls,
+)
 
 
 class ChatOutput:
@@ -42,8 +48,10 @@ class ChatOutput:
         return message
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's `tool_calls` when the model ended on its own after calling tools."""
-        return "tool_calls" if self.called and reason == "stop" else reason
+        """OpenAI's `tool_calls` when the model ended on its own after calling tools; a call
+        forced by name ends `stop`, as OpenAI's and vLLM's do."""
+        named = isinstance(self.tools, ForcedCalls) and self.tools.function is not None
+        return "tool_calls" if self.called and reason == "stop" and not named else reason
 
     def _parse(self, text: str, finished: bool) -> tuple[str, str, list[CallDelta]]:
         reasoning, content = "", text
