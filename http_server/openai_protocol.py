@@ -57,7 +57,7 @@ class BadField(ValueError):
         self.param, self.code = param, code
 
 
-_AT_PATH = re.compile(r"at `\$\.(\w+)")
+_AT_PATH = re.compile(r"at (?:`key` in )?`\$\.(\w+)")  # a map's key: "at `key` in `$.f`"
 _UNKNOWN_FIELD = re.compile(r"unknown field `(\w+)`")
 
 

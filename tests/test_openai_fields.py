@@ -117,6 +117,9 @@ def test_logit_bias_forces_and_bans_tokens(oai, tokenizer):
         lambda: oai.completions.create(model=NAME, prompt="a", logit_bias={"99999999": 1}),
         "logit_bias",
     )
+    refused(  # a key that is no token id (msgspec's message names it "`key` in `$.logit_bias`")
+        lambda: oai.completions.create(model=NAME, prompt="a", logit_bias={"abc": 1}), "logit_bias"
+    )
 
 
 def test_more_prompts_than_a_client_may_have_pending_is_a_400(oai):
