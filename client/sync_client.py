@@ -159,11 +159,16 @@ class Client:
             raise ValueError(f"rid {request.rid!r} is already in flight")
         self._send(prepared.payload)
         self._in_flight[request.rid] = deque()
-        return self._outputs(request.rid, request.sampling_params.n)
+        outputs = self._outputs(request.rid, request.sampling_params.n)
+        # Into its `try` now: a stream dropped before its first chunk still aborts its request
+        # (a generator never started runs no `finally`; it ran on to max_new_tokens).
+        next(outputs)
+        return outputs
 
     def _outputs(self, rid: str, completions: int) -> Generator[OutputReply, None, None]:
         left = completions  # each of the n completions ends with its own finished reply
         try:
+            yield None  # type: ignore[misc]  # _start's step into the try
             while left:
                 reply = self._next_for(rid)
                 if isinstance(reply, ErrorReply):

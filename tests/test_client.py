@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import heapq
 import itertools
 import json
@@ -324,6 +325,16 @@ def test_closing_a_stream_early_aborts_it(server, client):
     chunks.close()
     wait_until(lambda: server.aborted == ["early"])
     assert client.generate("next").text == "echo:next"  # the stale chunk is dropped
+
+
+def test_a_stream_dropped_before_its_first_chunk_is_aborted(server, client):
+    """The request goes out when stream() is called; a generator never started runs no
+    `finally`, so one dropped unread ran on to max_new_tokens, its rid in use for good."""
+    chunks = client.stream("long", rid="unread")
+    del chunks
+    gc.collect()
+    wait_until(lambda: server.aborted == ["unread"])
+    assert list(client.stream("x", rid="unread"))  # the rid is free again
 
 
 @pytest.mark.parametrize(
