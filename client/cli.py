@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import signal
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
@@ -115,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                 complete(client, args, prompt_request(args, args.prompt), args.stream)
             else:
                 print_json(control_reply(client, args))
+    except BrokenPipeError:  # the reader went away (`| head`): quietly, as other tools stop
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the exit's flush
+        return 128 + signal.SIGPIPE
     except (ServerError, ProtocolError, TimeoutError, ConnectionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -111,7 +111,8 @@ class NativeApi:
         self.front.authorize(request)
         reply = await self.front.query(FlushCacheReq)
         assert isinstance(reply, FlushCacheReply)
-        return json_response(reply, 200 if reply.success else 400)
+        body = {"success": reply.success, "message": reply.message}  # HTTP.md's, as it says
+        return json_response(body, 200 if reply.success else 400)
 
     async def metrics(self, request: Request) -> Response:
         self.front.authorize(request)

@@ -12,7 +12,9 @@ import gc
 import heapq
 import itertools
 import json
+import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -530,6 +532,17 @@ def test_cli_prints_control_replies_as_json(server, capsys):
     assert json.loads(capsys.readouterr().out)["kv_tokens_total"] == 4096
     assert main(["--port", str(server.port), "--model-info"]) == 0
     assert json.loads(capsys.readouterr().out)["architecture"] == "FakeForCausalLM"
+
+
+def test_cli_stops_quietly_when_its_reader_goes(server, monkeypatch, capsys):
+    """`radixserve-client ... | head`: the pipe's reader leaves. That printed "error: [Errno
+    32] Broken pipe" and exited 1; tools stop quietly (128 + SIGPIPE)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w") as gone:
+        monkeypatch.setattr(sys, "stdout", gone)
+        assert main(["--port", str(server.port), "--stream", "hello"]) == 141
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_reports_errors(server, capsys):
