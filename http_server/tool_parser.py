@@ -75,8 +75,14 @@ class _Qwen25:
         self.buffer = ""
         self.in_call = False
         self.count = 0  # calls begun
+        self._start_call()
+
+    def _start_call(self) -> None:
         self.named = False  # the current call's name went out
-        self.args_start: int | None = None  # where its arguments' JSON begins in the buffer
+        self.depths = _JsonDepths()  # of the call's text in the buffer
+        self.args_start: int | None = None  # where its arguments' object begins in the buffer
+        self.args_end: int | None = None  # and ends, once its closing brace is in
+        self.args_looked = 0  # the buffer before this holds no closing brace of them
         self.args_sent = 0  # characters of it streamed
 
     def feed(self, text: str) -> Parsed:
@@ -92,27 +98,27 @@ class _Qwen25:
                     return out
                 self._content(out, self.buffer[:start])
                 self.buffer = self.buffer[start + len(self.START) :]
-                self.in_call, self.named = True, False
-                self.args_start, self.args_sent = None, 0
+                self.in_call = True
+                self._start_call()
                 continue
             end = self.buffer.find(self.END)
             if end < 0:
                 self._name_early(out)
                 self._arguments_early(out)
                 return out
-            body, self.buffer = self.buffer[:end], self.buffer[end + len(self.END) :]
-            self.in_call = False
+            body = self.buffer[:end]
             self._close(out, body, self.START + body + self.END)
+            self.buffer, self.in_call = self.buffer[end + len(self.END) :], False
 
     def finish(self) -> Parsed:
         """The end of the output: a call cut short (max_tokens) is one if its JSON is whole."""
         out, rest = Parsed(), self.buffer
-        self.buffer = ""
         if self.in_call:
-            self.in_call = False
             self._close(out, rest, self.START + rest)
+            self.in_call = False
         else:
             self._content(out, rest)
+        self.buffer = ""
         return out
 
     def _content(self, out: Parsed, text: str) -> None:
@@ -121,14 +127,23 @@ class _Qwen25:
             return
         out.content += text
 
+    def _top_level(self, pattern: re.Pattern[str]) -> re.Match[str] | None:
+        """The first match of `pattern` in the call that begins among the keys of the call's
+        own object, not inside its arguments or a string."""
+        depths = self.depths.of(self.buffer)
+        return next((m for m in pattern.finditer(self.buffer) if depths[m.start()] == 1), None)
+
     def _name_early(self, out: Parsed) -> None:
         """The call's id and name as soon as the name is whole, before its arguments are."""
         if self.named:
             return
-        match = _top_level(_NAME, self.buffer)
+        match = self._top_level(_NAME)
         if match is None:
             return
-        name = json.loads(f'"{match.group(1)}"')
+        try:
+            name = json.loads(f'"{match.group(1)}"')
+        except ValueError:  # an escape JSON has not (`\q`): the whole call decides at its end
+            return
         out.calls.append(CallDelta(self.count, "", new_call_id(), name))
         self.count += 1
         self.named = True
@@ -139,16 +154,36 @@ class _Qwen25:
         if not self.named:
             return
         if self.args_start is None:
-            match = _top_level(_ARGUMENTS, self.buffer)
+            match = self._top_level(_ARGUMENTS)
             if match is None or not self.buffer[match.end() :].startswith("{"):
                 return  # an arguments string, or not yet there: it goes whole at the end
             self.args_start = match.end()
-        arguments = _object_so_far(self.buffer[self.args_start :])
+        arguments = self._arguments(len(self.buffer))
         if len(arguments) > self.args_sent:
             out.calls.append(CallDelta(self.count - 1, arguments[self.args_sent :]))
             self.args_sent = len(arguments)
 
+    def _arguments(self, limit: int) -> str:
+        """The arguments' object in the buffer's first `limit` characters, whole or so far."""
+        assert self.args_start is not None
+        if self.args_end is None:
+            depths = self.depths.of(self.buffer[:limit])
+            # Its closing brace is the first `}` read at depth 2 (in the call, in the object).
+            closing = next(
+                (
+                    i
+                    for i in range(max(self.args_start, self.args_looked), limit)
+                    if depths[i] == 2 and self.buffer[i] == "}"
+                ),
+                None,
+            )
+            self.args_looked = limit
+            if closing is not None:
+                self.args_end = closing + 1
+        return self.buffer[self.args_start : self.args_end or limit]
+
     def _close(self, out: Parsed, body: str, as_text: str) -> None:
+        """The call whose text is `body`, the buffer's start."""
         parsed = call_json(body.strip(), "arguments")
         if parsed is None and not self.named:
             out.content += as_text
@@ -162,47 +197,39 @@ class _Qwen25:
             return
         # Its name (and maybe part of its arguments) went out: the rest of its arguments.
         if self.args_start is not None:
-            rest = _object_so_far(body[self.args_start :])[self.args_sent :]
+            rest = self._arguments(len(body))[self.args_sent :]
         else:
             rest = "{}" if parsed is None else parsed[1]
         out.calls.append(CallDelta(self.count - 1, rest))
 
 
-def _top_level(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
-    """The first match of `pattern` that begins among the keys of the call's own object (the
-    text's first `{`), not inside its arguments or a string."""
-    depths = _depths(text)
-    return next((m for m in pattern.finditer(text) if depths[m.start()] == 1), None)
+class _JsonDepths:
+    """The JSON nesting depth before each character of a call's text (None inside a string),
+    as the text grows: each character is read once, however many pieces it comes in (a scan
+    of the whole text at each piece grew with the square of the arguments' length)."""
 
+    def __init__(self) -> None:
+        self.depths: list[int | None] = []
+        self._depth, self._in_string, self._escaped = 0, False, False
 
-def _object_so_far(text: str) -> str:
-    """The JSON object that `text` begins with, up to its closing brace, or all of `text`
-    while it is still open."""
-    depths = _depths(text)
-    end = next((i for i, ch in enumerate(text) if ch in "}]" and depths[i] == 1), None)
-    return text if end is None else text[: end + 1]
-
-
-def _depths(text: str) -> list[int | None]:
-    """The JSON nesting depth before each character of `text`; None inside a string."""
-    depths: list[int | None] = []
-    depth, in_string, escaped = 0, False, False
-    for ch in text:
-        depths.append(None if in_string else depth)
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
+    def of(self, text: str) -> list[int | None]:
+        """The depths of `text`, which begins with every text given before."""
+        for ch in text[len(self.depths) :]:
+            self.depths.append(None if self._in_string else self._depth)
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
             elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-    return depths
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+        return self.depths
 
 
 class _Llama3:

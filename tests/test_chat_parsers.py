@@ -130,6 +130,18 @@ def test_qwen25_streams_exactly_the_calls_own_name_and_arguments(call, name, arg
     assert json.loads(streamed["function"]["arguments"]) == arguments
 
 
+def test_qwen25_a_name_json_cannot_read_stays_text_streamed_too():
+    """`\\q` is no JSON escape: the streamed name's json.loads raised in the middle of a
+    stream; now the whole call decides at its end, as unstreamed (not a call: text)."""
+    text = '<tool_call>{"name": "a\\q", "arguments": {}}</tool_call>'
+    parser, content = tool_call_parser("qwen25"), ""
+    for chunk in pieces(text, 3):
+        out = parser.feed(chunk)
+        assert not out.calls
+        content += out.content
+    assert content + parser.finish().content == text == parse_tool_calls("qwen25", text)[0]
+
+
 def test_qwen25_not_a_call_stays_text_and_a_cut_call_parses_if_whole():
     broken = "Hi <tool_call>not json</tool_call> there"
     assert parse_tool_calls("qwen25", broken) == (broken, [])
