@@ -128,9 +128,11 @@ class SafetensorsFile:
         self._fd = os.open(path, os.O_RDONLY)
         try:
             self._header, self._data_start = _read_header(self._fd)
-        except WeightLoadError as e:
+        except BaseException as e:
             os.close(self._fd)
-            raise WeightLoadError(f"{path}: {e}") from None
+            if isinstance(e, WeightLoadError):
+                raise WeightLoadError(f"{path}: {e}") from None
+            raise
         self.nbytes = sum(
             end - begin for begin, end in (t["data_offsets"] for t in self._header.values())
         )
@@ -140,6 +142,9 @@ class SafetensorsFile:
 
     def __exit__(self, *exc: object) -> None:
         os.close(self._fd)
+
+    def tensor(self, name: str) -> FileTensor | None:
+        return next((t for n, t in self.tensors() if n == name), None)
 
     def tensors(self) -> list[tuple[str, FileTensor]]:
         """Every tensor, lazily, in the order of the file."""
@@ -230,22 +235,19 @@ class FileTensor:
         return out
 
 
-def stored_float_dtype(model_dir: str) -> torch.dtype | None:
-    """The widest floating dtype the checkpoint's tensors are stored in (headers only): what
-    config.json's `torch_dtype` says, where that is not mislabelled; None if it has none."""
+def stored_dtype(model_dir: str, name: str) -> torch.dtype | None:
+    """The dtype checkpoint tensor `name` is stored in (headers only): what config.json's
+    `torch_dtype` says of it, where that is not mislabelled; None if no file holds it."""
     try:
         files = safetensors_files(Path(model_dir))
     except WeightLoadError:
         return None  # load_weights says why, after the check that the weights fit
-    widest = None
     for path in files:
         with SafetensorsFile(path) as file:
-            for _, tensor in file.tensors():
-                if tensor.dtype.is_floating_point and (
-                    widest is None or tensor.dtype.itemsize > widest.itemsize
-                ):
-                    widest = tensor.dtype
-    return widest
+            tensor = file.tensor(name)
+            if tensor is not None:
+                return tensor.dtype
+    return None
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -66,7 +66,7 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
     eos_token_ids: tuple[int, ...]
-    dtype: torch.dtype  # the checkpoint's, as config.json says (model_loading reads its tensors')
+    dtype: torch.dtype  # the checkpoint's, as config.json says (model_loading: its table's)
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike[str]) -> ModelConfig:

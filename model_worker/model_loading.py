@@ -15,7 +15,7 @@ from radixserve.model_worker.forward_batch import ForwardBatch
 from radixserve.model_worker.host_memory import meminfo_bytes
 from radixserve.model_worker.kernel_selection import Kernels, select_kernels
 from radixserve.model_worker.kv_pool import TokenToKVPool
-from radixserve.model_worker.loader import load_weights, loadable_modules, stored_float_dtype
+from radixserve.model_worker.loader import load_weights, loadable_modules, stored_dtype
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.model_worker.models import get_model_class
 from radixserve.model_worker.models.base import CausalLM
@@ -57,9 +57,11 @@ def load_model(
     fused_layers: bool,
 ) -> LoadedModel:
     config = ModelConfig.from_dir(model_path)
-    # What the tensors are stored in, not what config.json says (merged checkpoints mislabel
-    # it): a float32 table kept as "bfloat16" would lose its low bits.
-    config = dataclasses.replace(config, dtype=stored_float_dtype(model_path) or config.dtype)
+    model_class = get_model_class(config.architecture)
+    # The embedding table's dtype as stored, not as config.json says (merged checkpoints
+    # mislabel it): a float32 table kept as "bfloat16" would lose its low bits.
+    table = stored_dtype(model_path, model_class.EMBEDDING_WEIGHT)
+    config = dataclasses.replace(config, dtype=table or config.dtype)
     _, num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
     _, num_kv_heads = tp.shard_heads(config.num_key_value_heads, "num_key_value_heads")
     check_quantization(quantization, device, dtype)
@@ -67,7 +69,7 @@ def load_model(
     weight_format = kernels.ops.weight_format()
     if quantization == "int8":
         weight_format = WeightFormat.INT8
-    model = get_model_class(config.architecture)(
+    model = model_class(
         config,
         tp=tp,
         attn_backend=kernels.attn_backend,

@@ -112,6 +112,18 @@ def test_an_index_naming_a_missing_file_is_refused_before_reading(tiny_model) ->
         load(path)
 
 
+def test_the_table_keeps_the_dtype_its_own_tensor_is_stored_in(tiny_model) -> None:
+    """A bfloat16 checkpoint with float32 norms (as some are saved), run in float32: its table
+    stays bfloat16 (half the memory: 1.2 GB for an 8B model). The dtype is the table's own
+    tensor's, neither config.json's label nor the widest stored."""
+    path = tiny_model("llama")
+    rewrite(
+        path,
+        lambda t: t.update({k: v if "norm" in k else v.to(torch.bfloat16) for k, v in t.items()}),
+    )
+    assert load(path).model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
 def test_file_tensors_read_what_safetensors_reads(tmp_path: Path) -> None:
     """The loader's own reader (pread, only the rows asked for) against safetensors' across
     dtypes, row and column slices, and a tensor after others in the file."""

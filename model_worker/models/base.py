@@ -11,6 +11,9 @@ from radixserve.model_worker.forward_batch import ForwardBatch
 
 
 class CausalLM(nn.Module, ABC):
+    # The checkpoint's embedding table: the dtype it is stored in is the table's (model_loading).
+    EMBEDDING_WEIGHT = "model.embed_tokens.weight"
+
     @abstractmethod
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch

@@ -332,7 +332,7 @@ class LlamaForCausalLM(CausalLM):
             return []  # some checkpoints store the tied head twice
         if name.endswith("rotary_emb.inv_freq"):
             return []  # recomputed from the config, and not a weight
-        if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
+        if name == self.EMBEDDING_WEIGHT and self.config.tie_word_embeddings:
             return [(name, 0), ("lm_head.weight", 0)]
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in _FUSED:
@@ -342,7 +342,7 @@ class LlamaForCausalLM(CausalLM):
 
     def checkpoint_name(self, param: str, piece: int) -> str:
         if param == "lm_head.weight" and self.config.tie_word_embeddings:
-            return "model.embed_tokens.weight"
+            return self.EMBEDDING_WEIGHT
         *module, fused, leaf = param.split(".")
         for name, target in _FUSED.items():
             if target == (fused, piece):
