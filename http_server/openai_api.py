@@ -228,7 +228,8 @@ class OpenAIApi:
         usage, bodies = out.Usage(), []
         async for reply in outputs:
             usage.add_final(reply)
-            bodies.append(choices.whole(reply, await self._logprobs(reply, chat)))
+            logprobs = await self._logprobs(reply, chat, len(choices.echo(reply)))
+            bodies.append(choices.whole(reply, logprobs))
         bodies.sort(key=lambda c: c["index"])
         return json_response(out.completion_body(head, bodies, usage))
 
@@ -266,8 +267,10 @@ class OpenAIApi:
         yield SSE_DONE
 
     async def _logprobs(
-        self, reply: OutputReply, chat: bool, output_offset: int | None = None
+        self, reply: OutputReply, chat: bool, output_offset: int
     ) -> dict[str, Any] | None:
+        """The reply's logprobs in the API's shape; `output_offset`: where its output's text
+        begins in its choice's (completions' text_offset)."""
         ids = out.logprob_token_ids(reply)
         if reply.meta_info.output_token_logprobs is None:
             return None

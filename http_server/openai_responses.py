@@ -76,12 +76,12 @@ def _number(logprob: float | None) -> float | None:
 
 
 def completion_logprobs(
-    reply: OutputReply, texts: dict[int, str], output_offset: int | None = None
+    reply: OutputReply, texts: dict[int, str], output_offset: int
 ) -> dict[str, Any] | None:
     """/v1/completions' logprobs: parallel lists over the reply's tokens, after the prompt's
     when it is echoed (its first token has no logprob: null, as OpenAI's). `output_offset`:
-    where the reply's output tokens begin in its choice's text (a stream's: after its earlier
-    chunks); else right after the prompt's."""
+    where the reply's output tokens begin in its choice's text (after the echoed prompt's text,
+    and in a stream after its earlier chunks); the prompt's tokens begin at 0."""
     meta = reply.meta_info
     if meta.output_token_logprobs is None:
         return None
@@ -90,7 +90,7 @@ def completion_logprobs(
     entries = [*prompt, *meta.output_token_logprobs]
     offsets, offset = [], 0
     for i, (_, token) in enumerate(entries):
-        if i == len(prompt) and output_offset is not None:
+        if i == len(prompt):
             offset = output_offset
         offsets.append(offset)
         offset += len(texts[token])

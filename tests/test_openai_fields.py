@@ -447,3 +447,29 @@ def test_echoed_prompt_top_logprobs_in_all_are_bounded_naming_logprobs():
     assert fine.top_logprobs_num == 20 and fine.logprob_start_len == 0
     (unechoed,), _ = completion_generates(request(logprobs=256), prompt, limits, "c")
     assert unechoed.logprob_start_len == -1  # no prompt logprobs: nothing to bound
+
+
+def test_completion_text_offsets_index_the_choices_text():
+    """The prompt's tokens from 0, the output's from where its text begins in the choice's
+    text: after the echoed prompt's, which is its tokens' texts but for a BOS the echo leaves
+    out (`<s>` here). The API gives this base to a whole answer and to a stream alike (a
+    whole one counted from its prompt tokens' texts)."""
+    from radixserve.http_server.openai_responses import completion_logprobs
+    from radixserve.protocol.wire import MetaInfo, OutputReply
+
+    texts = {1: "<s>", 2: "Hi", 3: " there", 4: "!"}
+    meta = MetaInfo(
+        3,
+        1,
+        0,
+        None,
+        0.0,
+        output_token_logprobs=[(-0.5, 4)],
+        input_token_logprobs=[(None, 1), (-1.0, 2), (-2.0, 3)],
+    )
+    reply = OutputReply("cmpl-x-0", "!", [4], True, meta)
+    echoed = "Hi there"  # what the echo shows: the prompt decoded without its BOS
+    logprobs = completion_logprobs(reply, texts, len(echoed))
+    assert logprobs["text_offset"] == [0, 3, 5, len(echoed)]
+    assert (echoed + reply.text)[logprobs["text_offset"][-1] :] == "!"
+    assert logprobs["token_logprobs"] == [None, -1.0, -2.0, -0.5]
