@@ -69,6 +69,8 @@ def error_response(error: HttpError) -> Response:
     response = json_response(error_body(error), STATUS[error.code])
     if response.status_code == 503:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    if error.code == "request_timeout":  # the connection is mid-body: not fit for another request
+        response.headers["Connection"] = "close"
     return response
 
 
