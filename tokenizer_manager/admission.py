@@ -73,21 +73,25 @@ class Admission:
             await self._tokenize_and_send(request, req)
         except ClientError:
             raise
-        except Exception:
-            await self._end_after_bug(request)
-            raise
+        except Exception as e:
+            await self._end_after_bug(request, e)
         finally:
             ticket.release()
 
-    async def _end_after_bug(self, request: InFlightRequest) -> None:
+    async def _end_after_bug(self, request: InFlightRequest, bug: Exception) -> None:
         """A bug stopped the request on its way: it ends here, its rid free again, and whatever
         of it may have reached the scheduler is aborted (else that ran on unseen and the rid
-        stayed taken)."""
+        stayed taken). Its client gets one `internal` error, unless it had its last reply."""
+        logger.error("request %s failed", request.rid, exc_info=bug)
+        answered = request.answered
         self.inflight.answer(request)
         live = self.inflight.live_ids(request)
-        for cid in live:  # the scheduler's last words for these find nothing, as after a drop
-            self.inflight.end(cid)
+        for cid in live:  # ended here: the scheduler's last words for these (and so their
+            self.inflight.end(cid)  # metrics and --log-requests lines) find nothing
         await self.link.abort(live)
+        if not answered:
+            error = ClientError("internal", f"{type(bug).__name__}: {bug}", request.rid)
+            await self.replies.reply_error(request.envelope, error, request)
 
     async def _tokenize_and_send(self, request: InFlightRequest, req: GenerateRequest) -> None:
         try:
@@ -97,9 +101,9 @@ class Admission:
                 if not isinstance(e, ValueError):
                     logger.exception("tokenizing request %s failed", request.rid)
                 return
-            self.inflight.answer(request)  # it never reached the scheduler: its rid is free
             if not isinstance(e, ValueError):
-                raise
+                raise  # a bug: _send ends the request
+            self.inflight.answer(request)  # it never reached the scheduler: its rid is free
             code = "too_long" if isinstance(e, PromptTooLong) else "invalid_request"
             raise ClientError(code, str(e), request.rid) from None
         # Nothing awaits from here to the last send: an abort of this request comes before all
