@@ -117,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                 complete(client, args, prompt_request(args, args.prompt), args.stream)
             else:
                 print_json(control_reply(client, args))
+            sys.stdout.flush()  # here, where a reader gone is caught, not at the exit's flush
     except BrokenPipeError:  # the reader went away (`| head`): quietly, as other tools stop
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # for the exit's flush
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # what stdout still holds goes nowhere at exit
+        os.close(devnull)
         return 128 + signal.SIGPIPE
     except (ServerError, ProtocolError, TimeoutError, ConnectionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

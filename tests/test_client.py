@@ -537,11 +537,12 @@ def test_cli_prints_control_replies_as_json(server, capsys):
 def test_cli_stops_quietly_when_its_reader_goes(server, monkeypatch, capsys):
     """`radixserve-client ... | head`: the pipe's reader leaves. That printed "error: [Errno
     32] Broken pipe" and exited 1; tools stop quietly (128 + SIGPIPE)."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    with open(write_end, "w") as gone:
-        monkeypatch.setattr(sys, "stdout", gone)
-        assert main(["--port", str(server.port), "--stream", "hello"]) == 141
+    for streamed in (["--stream"], []):  # not streamed: all of it at once, buffered
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        with open(write_end, "w") as gone:
+            monkeypatch.setattr(sys, "stdout", gone)
+            assert main(["--port", str(server.port), *streamed, "hello"]) == 141
     assert capsys.readouterr().err == ""
 
 
