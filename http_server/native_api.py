@@ -94,7 +94,7 @@ class NativeApi:
 
         try:
             await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
             message = f"no token within {HEALTH_GENERATE_TIMEOUT_S:g}s"
             raise HttpError("overloaded", message) from None
         return Response(status_code=200)

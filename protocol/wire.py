@@ -233,6 +233,8 @@ def check_grammar(field: str, spec: str) -> None:
             schema = msgspec.json.decode(spec)
         except msgspec.DecodeError as e:
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:  # a string field's JSON: the request's decoder never saw it
+            raise ValueError("json_schema is nested too deeply") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("json_schema must be a JSON object (a schema)")
         unenforced = unenforced_keyword(schema)

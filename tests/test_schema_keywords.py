@@ -76,3 +76,11 @@ DEEP = '{"type": "array", "items": ' * 900 + '{"type": "integer"}' + "}" * 900
 @pytest.mark.parametrize("spec", [json.dumps(schema) for schema in ENFORCED] + [DEEP])
 def test_schemas_of_enforced_keywords_pass(spec) -> None:
     check_grammar("json_schema", spec)
+
+
+def test_a_schema_too_deep_to_read_is_a_value_error() -> None:
+    """A native generate's json_schema is a string, which the request's decoder never read:
+    its RecursionError escaped as a bug (an internal error) instead of the client's error."""
+    deep = '{"type": "array", "items": ' * 5000 + '{"type": "integer"}' + "}" * 5000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        check_grammar("json_schema", deep)
