@@ -81,6 +81,6 @@ def test_schemas_of_enforced_keywords_pass(spec) -> None:
 def test_a_schema_too_deep_to_read_is_a_value_error() -> None:
     """A native generate's json_schema is a string, which the request's decoder never read:
     its RecursionError escaped as a bug (an internal error) instead of the client's error."""
-    deep = '{"type": "array", "items": ' * 5000 + '{"type": "integer"}' + "}" * 5000
+    deep = '{"items":' * 5000 + "{}" + "}" * 5000  # 50 KB: within the size bound
     with pytest.raises(ValueError, match="nested too deeply"):
         check_grammar("json_schema", deep)
