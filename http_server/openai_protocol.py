@@ -491,7 +491,15 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def prompts(prompt: str | list[Any]) -> list[Any]:
-    """The prompts of a `prompt` field: a text, token ids, a list of texts or of id lists."""
+    """The prompts of a `prompt` field: a text, token ids, a list of texts or of id lists; none
+    of them empty (as vLLM refuses one)."""
+    found = _prompts(prompt)
+    if not found or not all(found):
+        raise BadField("prompt", "prompt must not be empty")
+    return found
+
+
+def _prompts(prompt: str | list[Any]) -> list[Any]:
     if isinstance(prompt, str):
         return [prompt]
     kinds: tuple[tuple[bool, Any], ...] = (

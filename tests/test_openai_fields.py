@@ -122,6 +122,15 @@ def test_logit_bias_forces_and_bans_tokens(oai, tokenizer):
     )
 
 
+@pytest.mark.parametrize("prompt", ["", ["Hi", ""], [[1], []]])  # `[]`: the decoder's 400
+def test_an_empty_prompt_is_a_400_naming_prompt(oai, prompt):
+    """It was the wire's "text must not be empty", naming a field OpenAI's API has not."""
+    error = refused(
+        lambda: oai.completions.create(model=NAME, prompt=prompt, max_tokens=1), "prompt"
+    )
+    assert error["message"] == "prompt must not be empty"
+
+
 def test_more_prompts_than_a_client_may_have_pending_is_a_400(oai):
     """Each prompt is one of the client's pending requests (256 by default): past that, every
     try met the cap as a 503 to retry, which no retry could cure."""
