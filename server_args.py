@@ -246,7 +246,7 @@ _CHOICES = {
     "kernels": ("auto", "torch_native", "cpu_extension"),
     "quantization": ("int8",),
     "load_balance_method": ("round_robin", "cache_aware"),
-    "log_level": ("debug", "info", "warning", "error"),
+    "log_level": ("debug", "info", "warning", "error", "critical"),
     "tool_call_parser": ("qwen25", "llama3"),
     "reasoning_parser": ("qwen3", "deepseek-r1"),
 }
@@ -357,14 +357,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
             continue
         # An optional field's None means "derive it" (or "off"); its flag takes the other type.
         kind = type(default) if default is not None else typing.get_args(field.type)[0]
+        spelled = _VALUE_SPELLINGS.get(field.name)
         parser.add_argument(
             *flags,
             dest=field.name,
-            type=kind,
+            type=kind if spelled is None else spelled,
             default=default,
             choices=_CHOICES.get(field.name),
             help=help_text,
         )
+
+
+def _dtype(value: str) -> str:
+    return {"half": "float16", "float": "float32"}.get(value, value)  # SGLang's and vLLM's too
+
+
+# Values SGLang or vLLM also take, in our spelling, before the choices are checked.
+_VALUE_SPELLINGS = {"dtype": _dtype, "log_level": str.lower}
 
 
 MAX_SPECULATIVE_TOKENS = 64  # verified rows per request and step
@@ -432,21 +441,30 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C or SIGTERM stops every process.",
     )
     add_cli_args(parser)
-    for old, new in _RENAMED_FLAGS.items():
-        parser.add_argument(old, action=_RenamedFlag, new=new)
+    for old, new in _REFUSED_FLAGS.items():
+        parser.add_argument(old, action=_RefusedFlag, new=new)
     return parser
 
 
-# Flags renamed since a release: the old spelling is refused with the new one named.
-_RENAMED_FLAGS = {
-    "--attention-backend": "--kernels (it picks every kernel of the forward, not attention's "
-    "alone; cpu_attn is cpu_extension)",
-    "--torch-threads": "--num-threads",
+# Flags refused with what to use instead: our own old spellings, and SGLang's or vLLM's that
+# have no place here.
+_REFUSED_FLAGS = {
+    "--attention-backend": "is now --kernels (it picks every kernel of the forward, not "
+    "attention's alone; cpu_attn is cpu_extension)",
+    "--torch-threads": "is now --num-threads",
+    # SGLang's or vLLM's, which an old command line brings along
+    "--gpu-memory-utilization": "is vLLM's: use --mem-fraction-static",
+    "--trust-remote-code": "is not needed: radixserve runs its own code for Llama, Qwen2 and "
+    "Qwen3 checkpoints, and never a model's remote code",
+    "--tokenizer": "is not served: the tokenizer is --model's own",
+    "--chat-template": "is not served: the chat template is --model's own",
+    "--enable-metrics": "is not needed: /metrics is always served",
+    "--disable-log-requests": "is not needed: requests are logged only with --log-requests",
 }
 
 
-class _RenamedFlag(argparse.Action):
-    """Not in --help and never a field: given, it ends the parse with its new spelling."""
+class _RefusedFlag(argparse.Action):
+    """Not in --help and never a field: given, it ends the parse saying what to use."""
 
     def __init__(self, option_strings: list[str], dest: str, new: str, **_: object):
         super().__init__(
@@ -461,7 +479,7 @@ class _RenamedFlag(argparse.Action):
         values: object,
         option_string: str | None = None,
     ) -> NoReturn:
-        parser.error(f"{option_string} is now {self.new}")
+        parser.error(f"{option_string} {self.new}")
 
 
 def parse_server_args(argv: list[str] | None = None) -> ServerArgs:

@@ -36,7 +36,7 @@ from radixserve.http_server.openai_protocol import (
     RequestT,
 )
 from radixserve.http_server.tool_parser import ForcedCalls, ToolCallParser, tool_call_parser
-from radixserve.protocol.wire import GenerateRequest, OutputReply
+from radixserve.protocol.wire import GRAMMAR_FIELDS, GenerateRequest, OutputReply
 from radixserve.tokenizer_manager.sampling_defaults import fill_sampling_defaults
 from radixserve.tokenizer_manager.tokenization import PromptTooLong
 
@@ -219,7 +219,7 @@ class OpenAIApi:
     ) -> Response:
         defaults = self.front.manager.sampling_defaults
         generates = [fill_sampling_defaults(g, sent, defaults) for g in generates]
-        outputs = self.front.outputs(request, generates)
+        outputs = _naming(self.front.outputs(request, generates), protocol.constraint_field(req))
         chat = head.chat
         if req.stream:
             first = await anext(outputs, None)  # an error before any output is an HTTP status
@@ -304,6 +304,21 @@ async def _tokenized(ids: Awaitable[Any]) -> Any:
         raise HttpError("too_long", str(e)) from None
     except ValueError as e:
         raise HttpError("invalid_request", str(e)) from None
+
+
+async def _naming(
+    outputs: AsyncIterator[OutputReply], constraint: str | None
+) -> AsyncIterator[OutputReply]:
+    """`outputs`, an error from the scheduler naming as its `param` the field the request's
+    grammar came from (the compile's errors are the scheduler's, and name the wire's field)."""
+    try:
+        async for reply in outputs:
+            yield reply
+    except HttpError as e:
+        grammar = e.code == "invalid_request" and e.message.startswith(GRAMMAR_FIELDS)
+        if e.param is None and constraint is not None and grammar:
+            e.param = constraint
+        raise
 
 
 async def _as_text(text: str) -> str:

@@ -357,6 +357,18 @@ def grammar_params(req: _OpenAIRequest) -> dict[str, str]:
     return {}
 
 
+def constraint_field(req: _OpenAIRequest) -> str | None:
+    """The request's field that its grammar comes from (grammar_params allows one), if any:
+    what a compile error names as its `param`."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type in ("json_object", "json_schema"):
+        return "response_format"
+    given = [name for name in ("regex", "ebnf") if getattr(req, name) is not None]
+    if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none", "auto"):
+        given.append("tool_choice")
+    return given[0] if given else None
+
+
 def forced_tool_schema(req: ChatCompletionRequest) -> str | None:
     """The JSON schema that enforces a tool call when tool_choice is "required" or names a
     function (tool_grammar.py); None otherwise."""

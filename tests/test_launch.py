@@ -307,6 +307,27 @@ def test_the_spellings_of_sglang_and_vllm_are_the_same_flags(capsys: pytest.Capt
     )
     assert (spelled.model, spelled.context_length, spelled.random_seed) == ("m", 100, 7)
     assert "--torch-threads is now --num-threads" in refusal(capsys, "--torch-threads", "2")
+    # Values in SGLang's and vLLM's spellings.
+    assert parse_server_args(["--dtype", "half"]).dtype == "float16"
+    assert parse_server_args(["--dtype", "float"]).dtype == "float32"
+    assert parse_server_args(["--log-level", "WARNING"]).log_level == "warning"
+    assert parse_server_args(["--log-level", "critical"]).log_level == "critical"
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--gpu-memory-utilization", "0.8"], "is vLLM's: use --mem-fraction-static"),
+        (["--trust-remote-code"], "never a model's remote code"),
+        (["--tokenizer", "t"], "the tokenizer is --model's own"),
+        (["--chat-template", "t.jinja"], "the chat template is --model's own"),
+        (["--enable-metrics"], "/metrics is always served"),
+        (["--disable-log-requests"], "logged only with --log-requests"),
+    ],
+)
+def test_flags_of_other_servers_say_what_to_use(capsys, argv, says):
+    """They were argparse's "unrecognized arguments", which names nothing to use instead."""
+    assert says in refusal(capsys, *argv)
 
 
 def test_threads_follow_the_cpu_affinity():

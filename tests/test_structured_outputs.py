@@ -250,8 +250,16 @@ def test_conflicting_constraints_on_openai_are_400s_naming_them(oai, model) -> N
             response_format=fmt,
             extra_body={"regex": "a"},
         )
-    with pytest.raises(openai.BadRequestError, match="regex: "):
+    with pytest.raises(openai.BadRequestError, match="regex: ") as compile_error:
         oai.completions.create(model=model, prompt="Hi", extra_body={"regex": "(unclosed"})
+    assert compile_error.value.body["param"] == "regex"  # the scheduler's compile names it
+    schema = {"type": "object", "properties": {"a": {"type": "foo"}}}  # compiles to an error
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(openai.BadRequestError, match="json_schema: ") as compile_error:
+        oai.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], response_format=fmt
+        )
+    assert compile_error.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError, match="'nope' is not among the tools"):
         oai.chat.completions.create(
             model=model,
