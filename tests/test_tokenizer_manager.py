@@ -466,3 +466,14 @@ def test_an_http_backlog_counts_its_replies_logprobs():
         assert client.backlog_bytes == 0 and meter.nbytes == 0
 
     asyncio.run(scenario())
+
+
+def test_a_model_without_tokenizer_files_is_refused_at_start(tiny_model, tiny_served_model):
+    """For a Qwen2 checkpoint whose weights came without their tokenizer files, transformers
+    builds an empty tokenizer: the server said it was ready, then refused every prompt as no
+    tokens."""
+    from radixserve.tokenizer_manager.tokenization import Tokenization
+
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        Tokenization(str(tiny_model("qwen2")), 256, 512)
+    Tokenization(str(tiny_served_model), 49152, 1024).close()  # with its files: it loads

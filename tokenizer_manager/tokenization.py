@@ -52,6 +52,11 @@ class _Lane:
 class Tokenization:
     def __init__(self, model_path: str, vocab_size: int, context_len: int):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if len(tokenizer) < 2:  # transformers builds an empty one where the files are missing
+            raise ValueError(
+                f"{model_path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): "
+                "every prompt would be no tokens"
+            )
         self._short = _Lane(model_path, "short", tokenizer)
         self._long = _Lane(model_path, "long", None)
         self.vocab_size = vocab_size
