@@ -15,13 +15,9 @@ from typing import Any
 
 import msgspec
 
-from radixserve.client.messages import (
-    DEFAULT_TIMEOUT,
-    ProtocolError,
-    ServerError,
-    tcp_address,
-)
+from radixserve.client.messages import DEFAULT_TIMEOUT, ProtocolError, ServerError
 from radixserve.client.sync_client import Client
+from radixserve.protocol.transport import tcp_address
 from radixserve.protocol.wire import OutputReply
 
 # Sampling flags: (sampling_params field, type, help). Left out, a field takes the server's

@@ -19,6 +19,7 @@ import zmq
 
 from radixserve.client.messages import ServerError
 from radixserve.client.sync_client import Client
+from radixserve.protocol.transport import allow_ipv6
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,6 +155,7 @@ def raw_round_trip(address: str, payload: bytes, timeout_ms: int = 30_000) -> di
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    allow_ipv6(sock, address)
     sock.connect(address)
     try:
         sock.send(payload)

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import msgspec
 import zmq
 
+from radixserve.protocol.transport import allow_ipv6
 from radixserve.protocol.wire import (
     API_KEY_ENV,
     ClientRequest,
@@ -43,10 +44,6 @@ class ProtocolError(Exception):
     """A reply that is not a radixserve reply, or larger than the client accepts."""
 
 
-def tcp_address(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
 def connect_dealer(ctx: zmq.Context, address: str, connect_timeout: float | None) -> zmq.Socket:
     """A DEALER that queues nothing while no server is connected (IMMEDIATE), so that a send
     fails after `connect_timeout` (zmq.Again) instead of waiting forever for a dead address.
@@ -56,6 +53,7 @@ def connect_dealer(ctx: zmq.Context, address: str, connect_timeout: float | None
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.SNDTIMEO, -1 if connect_timeout is None else int(connect_timeout * 1000))
+    allow_ipv6(sock, address)
     sock.connect(address)
     return sock
 

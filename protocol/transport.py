@@ -1,4 +1,5 @@
-"""ZMQ sockets between the server's processes: ipc:// PUSH/PULL in launch.py's private directory."""
+"""ZMQ sockets between the server's processes: ipc:// PUSH/PULL in launch.py's private directory;
+and the client endpoint's TCP address."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ def scheduler_input(dp_rank: int, dp_size: int) -> str:
     """A replica's input socket. With one replica the tokenizer manager feeds it directly; with
     several, the data-parallel controller takes SCHEDULER_INPUT and routes to these."""
     return SCHEDULER_INPUT if dp_size == 1 else f"{SCHEDULER_INPUT}_{dp_rank}"
+
+
+def tcp_address(host: str, port: int) -> str:
+    """The client endpoint's ZMQ address: an IPv6 host in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def allow_ipv6(sock: zmq.Socket, address: str) -> None:
+    """ZMQ's TCP sockets take IPv4 only unless told (an IPv6 address then fails: "No such
+    device"); told, `::` serves both families."""
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
 
 
 def ipc_endpoint(ipc_dir: str, name: str) -> str:

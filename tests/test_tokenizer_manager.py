@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from pathlib import Path
 
 import msgspec
@@ -477,3 +478,32 @@ def test_a_model_without_tokenizer_files_is_refused_at_start(tiny_model, tiny_se
     with pytest.raises(ValueError, match="has no tokenizer"):
         Tokenization(str(tiny_model("qwen2")), 256, 512)
     Tokenization(str(tiny_served_model), 49152, 1024).close()  # with its files: it loads
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback")
+@pytest.mark.parametrize("host", ["::1", "::"])
+def test_an_ipv6_host_serves_zmq_clients(tiny_served_model, host):
+    """ZMQ takes IPv4 only unless told: `--host ::1` passed the start's checks, loaded the
+    model, and then failed to bind ("No such device")."""
+    from radixserve.protocol.transport import allow_ipv6, tcp_address
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, host=host) as h:
+            sock = h.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            address = tcp_address("::1", h.manager.args.port)
+            allow_ipv6(sock, address)
+            sock.connect(address)
+            await send(sock, type="health")
+            assert isinstance(await h.to_scheduler(), HealthReq)
+
+    asyncio.run(scenario())

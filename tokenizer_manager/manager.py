@@ -90,7 +90,9 @@ class TokenizerManager:
         # pushes back): its default, 1,000 of up to --max-request-bytes each, is unbounded in
         # practice; what is read goes through the intake's caps.
         self.router.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
-        self.router.bind(f"tcp://{args.host}:{args.port}")
+        address = transport.tcp_address(args.host, args.port)
+        transport.allow_ipv6(self.router, address)
+        self.router.bind(address)
         self.link = SchedulerLink(self.ctx, ipc_dir)
         self.recv_from_backend = transport.bind_pull(
             self.ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT
