@@ -28,6 +28,7 @@ from radixserve.protocol.wire import (
     SamplingParams,
     ServerInfoReply,
 )
+from radixserve.tokenizer_manager.admission import SHUTTING_DOWN
 from radixserve.tokenizer_manager.sampling_defaults import (
     fill_sampling_defaults,
     sent_sampling_fields_json,
@@ -79,6 +80,8 @@ class NativeApi:
         return json_response(replies)
 
     async def health(self, request: Request) -> Response:
+        if not self.front.manager.admission.accepting:  # a load balancer sends no more traffic
+            raise HttpError("overloaded", SHUTTING_DOWN)
         await self.front.query(HealthReq)
         return Response(status_code=200)
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
+import msgspec
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -542,3 +543,23 @@ def test_logprobs_of_tokens_a_grammar_rules_out_are_numbers(server, model):
     content = r.json()["choices"][0]["logprobs"]["content"]
     tops = [alt["logprob"] for entry in content for alt in entry["top_logprobs"]]
     assert all(isinstance(v, float) for v in tops) and min(tops) == -9999.0
+
+
+def test_health_says_no_while_the_server_drains(tiny_served_model):
+    """After SIGTERM new generates get 503, but /health said 200: a load balancer went on
+    sending the server what it refused. Over ZMQ health is an `overloaded` error too."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            transport = httpx.ASGITransport(app=build_app(h.manager))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                h.manager.admission.accepting = False  # what shutdown() does first
+                r = await http.get("/health")
+                assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+                assert "shutting down" in r.json()["error"]["message"]
+            client = h.client()
+            await client.send(msgspec.msgpack.encode({"type": "health"}))
+            reply = msgspec.msgpack.decode(await asyncio.wait_for(client.recv(), 10))
+            assert reply["type"] == "error" and reply["code"] == "overloaded", reply
+
+    asyncio.run(scenario())

@@ -22,6 +22,8 @@ from radixserve.tokenizer_manager.tokenization import PromptTooLong, Tokenizatio
 
 logger = logging.getLogger("radixserve.tokenizer_manager")
 
+SHUTTING_DOWN = "the server is shutting down"
+
 
 class Admission:
     def __init__(
@@ -45,7 +47,7 @@ class Admission:
         tokenize and send it in a task. ClientError when it is refused at once."""
         rid = req.rid or uuid.uuid4().hex
         if not self.accepting:
-            raise ClientError("overloaded", "the server is shutting down", rid)
+            raise ClientError("overloaded", SHUTTING_DOWN, rid)
         if req.return_logprob:  # the scheduler sees each of the n completions alone
             params = req.sampling_params
             try:

@@ -49,7 +49,7 @@ from radixserve.protocol.wire import (
 )
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager import request_log
-from radixserve.tokenizer_manager.admission import Admission
+from radixserve.tokenizer_manager.admission import SHUTTING_DOWN, Admission
 from radixserve.tokenizer_manager.inflight import Envelope, InFlight
 from radixserve.tokenizer_manager.intake import Intake
 from radixserve.tokenizer_manager.local_client import LocalClient
@@ -174,6 +174,8 @@ class TokenizerManager:
             case ModelInfoRequest():
                 await self.forward_query(envelope, ModelInfoReq)
             case HealthRequest():
+                if not self.admission.accepting:  # draining: healthy no more, for new work
+                    raise ClientError("overloaded", SHUTTING_DOWN)
                 await self.forward_query(envelope, HealthReq)
             case ServerInfoRequest():
                 await self.forward_query(envelope, ServerInfoReq)
