@@ -43,6 +43,11 @@ def resolve_model_path(model: str, flag: str = "--model") -> str:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelNotFound(f"{model} is a directory but has no config.json")
         return os.path.abspath(path)
+    if os.path.isfile(path):
+        what = "a GGUF file" if path.endswith(".gguf") else "a file"
+        raise ModelNotFound(
+            f"{flag} {model}: {what}; a model is a directory of config.json and .safetensors"
+        )
     if _looks_like_a_path(model):
         raise ModelNotFound(f"{flag} {model}: no such directory")
     return _from_hub(model)

@@ -73,6 +73,15 @@ def test_a_missing_directory_is_called_one():
     assert "--speculative-draft-model-path /no/d: no such directory" in out.stderr
 
 
+def test_a_gguf_file_is_called_one(tmp_path):
+    """It was "no such directory", with the file right there."""
+    from radixserve.model_worker.model_source import ModelNotFound, resolve_model_path
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFound, match="m.gguf: a GGUF file; a model is a directory"):
+        resolve_model_path(str(tmp_path / "m.gguf"))
+
+
 def test_an_unreachable_hub_id_suggests_the_installed_hub_command():
     out = launch("--model", "no-such-org/no-such-model", env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 2
