@@ -441,8 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C or SIGTERM stops every process.",
     )
     add_cli_args(parser)
-    for old, new in _REFUSED_FLAGS.items():
-        parser.add_argument(old, action=_RefusedFlag, new=new)
+    for flag, says in _REFUSED_FLAGS.items():
+        parser.add_argument(flag, action=_RefusedFlag, says=says)
     return parser
 
 
@@ -466,11 +466,11 @@ _REFUSED_FLAGS = {
 class _RefusedFlag(argparse.Action):
     """Not in --help and never a field: given, it ends the parse saying what to use."""
 
-    def __init__(self, option_strings: list[str], dest: str, new: str, **_: object):
+    def __init__(self, option_strings: list[str], dest: str, says: str, **_: object):
         super().__init__(
             option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
-        self.new = new
+        self.says = says
 
     def __call__(
         self,
@@ -479,7 +479,7 @@ class _RefusedFlag(argparse.Action):
         values: object,
         option_string: str | None = None,
     ) -> NoReturn:
-        parser.error(f"{option_string} {self.new}")
+        parser.error(f"{option_string} {self.says}")
 
 
 def parse_server_args(argv: list[str] | None = None) -> ServerArgs:
