@@ -327,8 +327,26 @@ def check_parallel_args(args: ServerArgs) -> str | None:
         return f"--node-rank must be in 0..{args.nnodes - 1}"
     if args.nnodes > 1 and args.dist_init_addr is None:
         return "--nnodes above 1 needs --dist-init-addr (node 0's host:port)"
-    if args.dist_init_addr is not None and not args.dist_init_addr.rpartition(":")[2].isdigit():
+    if args.dist_init_addr is not None:
+        return _dist_init_addr_mistake(args)
+    return None
+
+
+def _dist_init_addr_mistake(args: ServerArgs) -> str | None:
+    """--dist-init-addr's mistakes, found before loading: torch's store found them after it,
+    a port past 65535 or no host as a traceback, the client endpoint's own port as a bind
+    error."""
+    host, _, port = (args.dist_init_addr or "").rpartition(":")
+    if not host or not port.isdigit():
         return f"--dist-init-addr {args.dist_init_addr!r} is not host:port"
+    ports = range(int(port), int(port) + args.dp_size)  # replica i meets at port + i
+    first, last = ports.start, ports.stop - 1
+    if first < 1 or last > 65535:
+        given = f"--dist-init-addr {args.dist_init_addr!r}"
+        return f"{given}: ports {first}-{last} are not all in 1-65535"
+    for flag, taken in (("--port", args.port), ("--http-port", args.http_port)):
+        if taken in ports and args.node_rank == 0:
+            return f"--dist-init-addr {args.dist_init_addr!r} takes {flag} {taken}"
     return None
 
 

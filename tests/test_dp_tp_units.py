@@ -183,6 +183,12 @@ def test_parallel_flags_that_do_not_fit_are_named() -> None:
         "--node-rank must be in 0..1": dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"),
         "needs --dist-init-addr": dict(tp_size=2, nnodes=2),
         "is not host:port": dict(dist_init_addr="localhost"),
+        "'localhost:' is not host:port": dict(dist_init_addr="localhost:"),
+        "':31725' is not host:port": dict(dist_init_addr=":31725"),
+        "ports 65535-65536 are not all in 1-65535": dict(dist_init_addr="h:65535", dp_size=2),
+        "ports 99999-99999": dict(dist_init_addr="h:99999"),
+        "takes --port 30000": dict(dist_init_addr="h:29999", dp_size=2),
+        "takes --http-port 30080": dict(dist_init_addr="h:30080"),
         "must be at least 1": dict(dp_size=0),
     }
     for message, fields_ in wrong.items():
