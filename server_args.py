@@ -337,7 +337,7 @@ def _dist_init_addr_mistake(args: ServerArgs) -> str | None:
     a port past 65535 or no host as a traceback, the client endpoint's own port as a bind
     error."""
     host, _, port = (args.dist_init_addr or "").rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or len(port) > 5:
         return f"--dist-init-addr {args.dist_init_addr!r} is not host:port"
     ports = range(int(port), int(port) + args.dp_size)  # replica i meets at port + i
     first, last = ports.start, ports.stop - 1

@@ -322,6 +322,28 @@ def grammar_params(req: _OpenAIRequest) -> dict[str, str]:
     """The wire's grammar field ({"json_schema" | "regex" | "ebnf": spec}, or nothing) of the
     request's constraint: response_format, regex, ebnf, or a tool_choice that forces a call.
     ValueError names the fields when more than one is given, or the one at fault."""
+    constraints = _constraints(req)
+    if len(constraints) > 1:
+        raise BadField(
+            next(iter(constraints)), f"only one of {', '.join(constraints)} may be given"
+        )
+    for name, (field, spec) in constraints.items():
+        try:
+            check_grammar(field, spec)
+        except ValueError as e:
+            raise BadField(name, f"{name}: {e}") from None
+        return {field: spec}
+    return {}
+
+
+def constraint_field(req: _OpenAIRequest) -> str | None:
+    """The request's field that its grammar comes from (grammar_params allows one), if any:
+    what a compile error names as its `param`."""
+    return next(iter(_constraints(req)), None)
+
+
+def _constraints(req: _OpenAIRequest) -> dict[str, tuple[str, str]]:
+    """The request's constraints: its field's name -> (the wire's grammar field, its spec)."""
     constraints: dict[str, tuple[str, str]] = {}
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -344,29 +366,7 @@ def grammar_params(req: _OpenAIRequest) -> dict[str, str]:
             raise BadField("tool_choice", str(e)) from None
         if tool_schema is not None:
             constraints["tool_choice"] = ("json_schema", tool_schema)
-    if len(constraints) > 1:
-        raise BadField(
-            next(iter(constraints)), f"only one of {', '.join(constraints)} may be given"
-        )
-    for name, (field, spec) in constraints.items():
-        try:
-            check_grammar(field, spec)
-        except ValueError as e:
-            raise BadField(name, f"{name}: {e}") from None
-        return {field: spec}
-    return {}
-
-
-def constraint_field(req: _OpenAIRequest) -> str | None:
-    """The request's field that its grammar comes from (grammar_params allows one), if any:
-    what a compile error names as its `param`."""
-    fmt = req.response_format
-    if fmt is not None and fmt.type in ("json_object", "json_schema"):
-        return "response_format"
-    given = [name for name in ("regex", "ebnf") if getattr(req, name) is not None]
-    if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none", "auto"):
-        given.append("tool_choice")
-    return given[0] if given else None
+    return constraints
 
 
 def forced_tool_schema(req: ChatCompletionRequest) -> str | None:

@@ -185,6 +185,7 @@ def test_parallel_flags_that_do_not_fit_are_named() -> None:
         "is not host:port": dict(dist_init_addr="localhost"),
         "'localhost:' is not host:port": dict(dist_init_addr="localhost:"),
         "':31725' is not host:port": dict(dist_init_addr=":31725"),
+        "9999999' is not host:port": dict(dist_init_addr="h:" + "9" * 5000),  # past int()'s digits
         "ports 65535-65536 are not all in 1-65535": dict(dist_init_addr="h:65535", dp_size=2),
         "ports 99999-99999": dict(dist_init_addr="h:99999"),
         "takes --port 30000": dict(dist_init_addr="h:29999", dp_size=2),
