@@ -5,14 +5,22 @@ scheduler. The manager over its real sockets; the test plays the scheduler (tm_h
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 
 import msgspec
 import pytest
 from tm_harness import generate, receive, send, tokenizer_manager
 
-from radixserve.protocol.internal import HealthOut, HealthReq, TokenizedGenerateReq
+from radixserve.protocol.internal import (
+    HealthOut,
+    HealthReq,
+    LauncherInput,
+    ProcessReady,
+    TokenizedGenerateReq,
+)
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager.intake import Intake
+from radixserve.tokenizer_manager.process import report_when_ready
 from radixserve.tokenizer_manager.request_decoder import ClientError
 
 
@@ -30,6 +38,25 @@ def test_until_the_model_is_ready_requests_get_not_ready_with_their_rid(tiny_ser
             await h.announce_ready()
             await send(client, **generate("later"))
             assert isinstance(await h.to_scheduler(), TokenizedGenerateReq)
+
+    asyncio.run(scenario())
+
+
+def test_the_manager_tells_the_launcher_it_is_ready_only_once_the_model_is(tiny_served_model):
+    """launch.py logs "radixserve ready" once every child has reported: the manager's report
+    waits for the scheduler's, so that a client starting on that line never meets `not_ready`."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, ready=False) as h:
+            reader, writer = mp.get_context("spawn").Pipe(duplex=False)
+            reporting = asyncio.create_task(report_when_ready(h.manager, writer))
+            await asyncio.sleep(0.3)  # the manager's loops are serving, the model is not loaded
+            assert not reader.poll() and not reporting.done()
+
+            await h.announce_ready()
+            await asyncio.wait_for(reporting, 5)
+            report = msgspec.msgpack.decode(reader.recv_bytes(), type=LauncherInput)
+            assert report == ProcessReady("tokenizer_manager")
 
     asyncio.run(scenario())
 

@@ -111,6 +111,7 @@ class TokenizerManager:
         self.query_ids = itertools.count()
         self.metrics = Metrics()
         self.replicas_ready: set[int] = set()  # until all are, requests get `not_ready`
+        self.model_ready = asyncio.Event()  # set once all are: then launch.py may say "ready"
         # The smallest replica's KV pool: what a request may hold at most (known once ready).
         self.kv_tokens = sys.maxsize
         self.query_timeout_s = QUERY_TIMEOUT_S
@@ -222,8 +223,9 @@ class TokenizerManager:
                 case SchedulerReady(dp_rank=dp_rank, max_total_tokens=pool):
                     self.replicas_ready.add(dp_rank)
                     self.kv_tokens = min(self.kv_tokens, pool)
-                    if self.ready:
+                    if self.ready and not self.model_ready.is_set():
                         logger.info("The model is ready: taking requests")
+                        self.model_ready.set()
 
     async def handle_output(self, out: ReqStrOut) -> None:
         completion = self.inflight.completions.get(out.rid)

@@ -37,7 +37,7 @@ async def _serve(
     ]
     if http is not None:
         loops.append(asyncio.create_task(http.run_on_loop()))
-    report_ready(ready_writer, "tokenizer_manager")
+    reporting = asyncio.create_task(report_when_ready(manager, ready_writer))
     stopping = asyncio.create_task(stop.wait())
     # A loop ending means a bug; let it take the process, and so the server, down.
     done, _ = await asyncio.wait([*loops, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -50,8 +50,16 @@ async def _serve(
         if task.done():
             task.result()
         task.cancel()
-    await asyncio.gather(*loops, return_exceptions=True)
+    reporting.cancel()
+    await asyncio.gather(*loops, reporting, return_exceptions=True)
     manager.close()
+
+
+async def report_when_ready(manager: TokenizerManager, ready_writer: Connection) -> None:
+    # Only once every scheduler has said its model is loaded: launch.py's "radixserve ready"
+    # follows this, and a client that starts on that line must not meet `not_ready`.
+    await manager.model_ready.wait()
+    report_ready(ready_writer, "tokenizer_manager")
 
 
 async def _beat(heartbeat: Heartbeat) -> None:
