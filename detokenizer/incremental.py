@@ -211,8 +211,9 @@ class IncrementalDetokenizer:
         text, state.held = state.held + new_text, ""
         stop_req = None
         matcher = state.stop_matcher
-        if matcher is not None and matcher.feed(new_text):
-            cut, matched = _find_stop(text, state.start.stop)
+        found = matcher is not None and matcher.feed(new_text)
+        if found and out.completion_tokens > state.start.min_new_tokens:
+            cut, matched = _find_stop(text, state.start.stop, len(text) - len(new_text))
             text = text[:cut]
             out = self._through_stop(out, state, *before)
             if reason is None:
@@ -272,11 +273,16 @@ def _first(values: list[T] | None, n: int) -> list[T] | None:
     return None if values is None else values[:n]
 
 
-def _find_stop(text: str, stops: list[str]) -> tuple[int, str]:
-    """The stop string in text (there is one) that ends first, as one streamed a character at
-    a time meets it, whatever the outputs' sizes: where it starts, and which. ("\n\nHuman:" and
-    "Human" in "yes\n\nHuman:": "Human", at the same text with speculation as without.)"""
-    found = [(pos, stop) for stop in stops if (pos := text.find(stop)) != -1]
+def _find_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str]:
+    """The stop string ending in text[new_from:] (there is one) that ends first, as one streamed
+    a character at a time meets it, whatever the outputs' sizes: where it starts, and which.
+    ("\n\nHuman:" and "Human" in "yes\n\nHuman:": "Human", at the same text with speculation as
+    without.) One ending before new_from went by under min_new_tokens."""
+    found = [
+        (pos, stop)
+        for stop in stops
+        if (pos := text.find(stop, max(0, new_from - len(stop) + 1))) != -1
+    ]
     return min(found, key=lambda match: (match[0] + len(match[1]), match[0]))
 
 

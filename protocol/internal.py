@@ -87,6 +87,8 @@ class ReqStart(msgspec.Struct, array_like=True):
     # The prompt's last ids, which the output's first text is decoded after: a SentencePiece
     # tokenizer drops a sequence's first "▁", so "▁Paris" alone would lose its space.
     context: list[int] = []
+    # A stop string ends the output only where it ends past this many tokens (vLLM's min_tokens).
+    min_new_tokens: int = 0
 
 
 class ReqTokenOut(msgspec.Struct, array_like=True):

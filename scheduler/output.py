@@ -54,6 +54,7 @@ def _start(req: Req) -> ReqStart:
         params.skip_special_tokens,
         params.stop,
         prompt[-DETOKENIZE_CONTEXT:],
+        params.min_new_tokens,
     )
 
 

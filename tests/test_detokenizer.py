@@ -359,6 +359,41 @@ def test_overlapping_stop_strings_end_alike_at_any_output_size(tokenizer):
     assert results[0][:2] == ("Answer: yes\n\n", [StopReq("r", "Human")])
 
 
+def stream_under_min_tokens(tokenizer, text: str, stop: tuple[str, ...], min_new: int):
+    """`text`'s tokens one a step to a request with min_new_tokens; what was sent, and the
+    stop that matched (None if none did)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    start = ReqStart(3, 0, True, list(stop), [], min_new_tokens=min_new)
+    sent = []
+    for k, i in enumerate(ids, 1):
+        out = ReqTokenOut("r", [i], None, k, start if k == 1 else None)
+        (str_out,), stops = detok.step([out])
+        sent.append(str_out.text)
+        if stops:
+            assert str_out.completion_tokens == k > min_new
+            return "".join(sent), stops[0].matched
+    (last,), _ = detok.step([ReqTokenOut("r", [], LENGTH, len(ids))])
+    return "".join(sent) + last.text, None
+
+
+def test_a_stop_string_ends_the_output_only_past_min_new_tokens(tokenizer):
+    """As vLLM's min_tokens: a stop string ending within the first min_new_tokens tokens goes
+    by as text; one ending past them stops the output, wherever it began."""
+    text = "one. two. three. four."
+    through_two = len(tokenizer.encode("one. two.", add_special_tokens=False))
+    assert stream_under_min_tokens(tokenizer, text, (".",), 0) == ("one", ".")
+    assert stream_under_min_tokens(tokenizer, text, (".",), through_two) == ("one. two. three", ".")
+    # Begun under the minimum (its "two." within it), ended past it: it stops the output.
+    straddling = stream_under_min_tokens(tokenizer, text, ("two. three",), through_two)
+    assert straddling == ("one. ", "two. three")
+    assert stream_under_min_tokens(tokenizer, text, (".",), 100) == (text, None)
+    # "b" went by under the minimum, still in the text held back for "ab c": past it, "ab c"
+    # stops the output where it begins, not where the "b" was.
+    within = len(tokenizer.encode("xab", add_special_tokens=False))
+    assert stream_under_min_tokens(tokenizer, "xab cd", ("b", "ab c"), within) == ("x", "ab c")
+
+
 def test_stop_string_in_the_final_output_ends_it_at_once(tokenizer):
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     (out,), stops = IncrementalDetokenizer(tokenizer).step(

@@ -161,7 +161,7 @@ def test_a_stop_string_that_is_a_special_token_stops(oai, tokenizer):
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached(server, oai):
     """The greedy first token made a stop token ends the completion at once; with min_tokens 4
-    it cannot be drawn until 4 tokens are out."""
+    it cannot be drawn until 4 tokens are out. Its text made a stop string: likewise."""
     body = {"text": "Once upon", "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
     first = httpx.post(f"{server.http_url}/generate", json=body, timeout=60).json()["output_ids"][0]
     stop = {"stop_token_ids": [first]}
@@ -178,6 +178,16 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached(server, oai):
         extra_body={**stop, "min_tokens": 4},
     )
     assert held.usage.completion_tokens >= 4
+    # A stop string, as vLLM's min_tokens holds them: the first token's text went by.
+    word = httpx.post(f"{server.http_url}/generate", json=body, timeout=60).json()["text"]
+    ended, went_by = (
+        oai.completions.create(
+            model=NAME, prompt="Once upon", max_tokens=8, temperature=0, stop=[word], **more
+        )
+        for more in ({}, {"extra_body": {"min_tokens": 4}})
+    )
+    assert (ended.usage.completion_tokens, ended.choices[0].text) == (1, "")
+    assert went_by.usage.completion_tokens >= 4 and went_by.choices[0].text.startswith(word)
     refused(
         lambda: oai.completions.create(
             model=NAME, prompt="a", max_tokens=2, extra_body={"min_tokens": 3}
