@@ -1,13 +1,14 @@
 """Constrained decoding on the scheduler's side (xgrammar), as SGLang places it.
 
 A request with a grammar (json_schema, regex or ebnf) first waits in the GrammarQueue while its
-grammar compiles on GrammarBackend's threads (xgrammar releases the GIL while it compiles), or
-waits for one of them (they are bounded, a compile past its timeout included), so nobody else
-waits for it; each distinct spec compiles once (a bounded LRU cache keyed by its
-text, in-flight compiles shared). When its grammar is ready the request gets its own matcher
-(`Req.grammar`) and joins the waiting queue. Each step, `vocab_mask` fills one packed bitmask
-for the batch's constrained rows from their matchers; the sampler applies it; the scheduler
-advances a matcher with each accepted token, and the request ends when its grammar is complete.
+grammar compiles on GrammarBackend's threads (xgrammar releases the GIL while it compiles), or waits
+for one of them (they are bounded, a compile past its timeout included), so nobody else waits for
+it; each distinct spec compiles once (a bounded LRU cache keyed by its text, in-flight compiles
+shared). When its grammar is ready the request gets its own matcher (`Req.grammar`; after the
+thinking, for a reasoning model) and joins the waiting queue. Each step, `vocab_mask` fills one
+packed bitmask for the batch's constrained rows from their matchers; the sampler applies it; the
+scheduler advances a matcher with each accepted token, and the request ends when its grammar is
+complete.
 
 A retracted request keeps its outputs (they are recomputed, not resampled), so its matcher, which
 has accepted exactly those, stays as it is: nothing to roll back.
@@ -30,6 +31,7 @@ import torch
 
 from radixserve.protocol.internal import ReqError
 from radixserve.protocol.wire import FinishReason
+from radixserve.scheduler.reasoning_grammar import ThinkThenGrammar, ThinkTokens, think_tokens
 from radixserve.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -77,9 +79,12 @@ class GrammarBackend:
         vocab_size: int,
         cache_size: int = CACHE_SIZE,
         threads: int = COMPILE_THREADS,
+        reasoning_parser: str | None = None,
     ):
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size  # the logits' width, which the masks cover
+        self.reasoning_parser = reasoning_parser
+        self._think: ThinkTokens | None = None  # the tags' ids, with the compiler
         self.cache_size = cache_size
         self.threads = threads
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
@@ -109,6 +114,14 @@ class GrammarBackend:
             self._cache.popitem(last=False)
         return future
 
+    def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher | ThinkThenGrammar:
+        """A request's own matcher over a grammar this backend compiled: after the thinking, for
+        a reasoning model."""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher if self._think is None else ThinkThenGrammar(matcher, self._think)
+
     def busy(self) -> int:
         """Compiles running now, those whose requests timed out included."""
         self._running = {f: c for f, c in self._running.items() if not f.done()}
@@ -137,6 +150,8 @@ class GrammarBackend:
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+                if self.reasoning_parser is not None:
+                    self._think = think_tokens(tokenizer, self.reasoning_parser)
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
                 # Our own cache above: xgrammar's would keep a second copy. One thread per
                 # compile: the forward's threads already take every core.
@@ -226,9 +241,7 @@ class GrammarQueue:
             elif entry.future.done():
                 error = entry.future.exception()
                 if error is None:
-                    import xgrammar as xgr
-
-                    entry.req.grammar = xgr.GrammarMatcher(entry.future.result())
+                    entry.req.grammar = self.backend.matcher(entry.future.result())
                     ready.append(entry.req)
                 else:
                     errors.append(ReqError(rid, "invalid_request", f"{field}: {_reason(error)}"))

@@ -146,4 +146,8 @@ def build_scheduler(
         is_generation=True,
         tokenizer_path=model_path,
     )
-    return Scheduler(config, worker, GrammarBackend(model_path, model.vocab_size)), info
+    return Scheduler(
+        config,
+        worker,
+        GrammarBackend(model_path, model.vocab_size, reasoning_parser=args.reasoning_parser),
+    ), info

@@ -40,6 +40,8 @@ from radixserve.scheduler.seen_tokens import SeenTokens
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
+    from radixserve.scheduler.reasoning_grammar import ThinkThenGrammar
+
 
 @dataclass(slots=True, eq=False)
 class Req:
@@ -77,8 +79,8 @@ class Req:
         return start >= 0 and start + len(self.input_token_logprobs) < len(self.origin_input_ids)
 
     # Its grammar's matcher (constrained decoding, scheduler/grammar.py), from when its grammar
-    # compiled: it has accepted exactly `output_ids`.
-    grammar: GrammarMatcher | None = None
+    # compiled: it has accepted exactly `output_ids` (the thinking's, with --reasoning-parser).
+    grammar: GrammarMatcher | ThinkThenGrammar | None = None
     spec: SpecState | None = None  # its drafting state, once it has drafted (speculation.py)
 
     @property

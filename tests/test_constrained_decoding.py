@@ -152,6 +152,49 @@ def test_n_copies_share_one_compile_and_seeds_repeat(
     assert len(texts) == 1  # same seed, same grammar: the same tokens
 
 
+@pytest.mark.parametrize("parser", [None, "qwen3", "deepseek-r1"])
+def test_with_a_reasoning_parser_the_grammar_holds_after_the_thinking(
+    tiny_model, tiny_served_model: Path, parser: str | None
+) -> None:
+    """A model whose tokenizer has <think> and </think>, biased to write them: with qwen3's
+    parser the output may open with <think> (no other token outside the grammar), thinks freely
+    until </think>, then follows the grammar; with deepseek-r1's it thinks from its first token.
+    Without a parser the grammar holds from the first token: neither tag can come."""
+    model = tiny_model("llama", vocab_size=49160, max_position_embeddings=1024, bos_token_id=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_served_model)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    tokenizer.save_pretrained(model)
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    runner = ModelRunner(
+        str(model),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_total_tokens=256,
+        mem_fraction_static=0.0,
+        tp=TPGroup(),
+        seed=0,
+    )
+    config = SchedulerConfig(
+        max_total_tokens=256,
+        max_running_requests=4,
+        max_prefill_tokens=128,
+        chunked_prefill_size=128,
+        context_len=1024,
+        eos_token_ids=frozenset({2}),
+        check_invariants=True,
+    )
+    backend = GrammarBackend(str(model), 49160, reasoning_parser=parser)
+    s = Scheduler(config, TpModelWorker(runner), backend)
+    bias = {start: 50.0, end: 100.0}  # </think> wherever it may come, else <think>
+    s.add_request(gen("r", [1, 5, 9, 14], regex=REGEX, temperature=0.0, logit_bias=bias))
+    outs = run(s)
+    tokens = [t for o in outs["r"] for t in o.new_token_ids]
+    thinking = {None: [], "qwen3": [start, end], "deepseek-r1": [end]}[parser]
+    assert tokens[: len(thinking)] == thinking
+    assert matches("regex", tokenizer.decode(tokens[len(thinking) :], skip_special_tokens=True))
+    assert outs["r"][-1].finished_reason.type == "stop"
+
+
 def test_bad_grammars_are_refused_naming_the_field(
     runner: ModelRunner, tiny_served_model: Path
 ) -> None:
