@@ -162,10 +162,9 @@ class OpenAIApi:
         input_ids = await _tokenized(tokenization.chat_ids_async(messages, tools, kwargs))
         head = out.new_head(self.model_name, chat=True)
         generate, sent = _checked(protocol.chat_generate, req, input_ids, self._limits(), head.id)
-        # A grammar writes the output (response_format, regex, a forced call): no thinking part
-        # to split off, and a parser that waits for </think> would take all of it.
-        constrained = generate.sampling_params.grammar is not None
-        reasoning = self.reasoning_parser if req.separate_reasoning and not constrained else None
+        # A grammar (response_format, regex, a forced call) shapes the answer after the thinking
+        # (scheduler/reasoning_grammar.py): the split is the same with one as without.
+        reasoning = self.reasoning_parser if req.separate_reasoning else None
         tool_parser = self._tool_calls(req)
         choices = _Choices(req.n, None, lambda: ChatOutput(reasoning, tool_parser()))
         return await self._respond(request, req, head, [generate], sent, choices)

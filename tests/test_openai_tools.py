@@ -102,7 +102,7 @@ def detokenized_pieces(model_dir: Path, text: str) -> list[tuple[int, str]]:
 
 
 async def serve_one(
-    model_dir: Path, stream: bool, whole: bool = False, **create: Any
+    model_dir: Path, stream: bool, whole: bool = False, output: str = OUTPUT, **create: Any
 ) -> tuple[Any, str]:
     """The SDK's answer to one chat request, the scheduler's part played by the test; and the
     prompt the template rendered. The output comes token by token, or (whole) in one piece."""
@@ -123,9 +123,9 @@ async def serve_one(
         msg = await h.to_scheduler()
         assert isinstance(msg, TokenizedGenerateReq)
         prompt = AutoTokenizer.from_pretrained(model_dir).decode(msg.input_ids)
-        pieces = detokenized_pieces(model_dir, OUTPUT)
+        pieces = detokenized_pieces(model_dir, output)
         if whole:
-            await h.output(msg.rid, [t for t, _ in pieces], FinishReason("stop", 0), text=OUTPUT)
+            await h.output(msg.rid, [t for t, _ in pieces], FinishReason("stop", 0), text=output)
             return await asyncio.wait_for(task, 30), prompt
         for k, (token, text) in enumerate(pieces):
             end = FinishReason("stop", 0) if k == len(pieces) - 1 else None
@@ -191,3 +191,24 @@ def test_a_call_written_in_one_piece_streams_as_one_entry_a_chunk(model_dir):
     assert call.id.startswith("call_") and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_forced_by_name_after_the_thinking(model_dir, stream):
+    """With --reasoning-parser a grammar shapes the answer after </think> (the scheduler's
+    part): the thinking goes to reasoning_content, and the forced call's arguments are the rest."""
+    output = '<think>\nParis, then.\n</think>\n\n{"city": "Paris"}'
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer, _ = asyncio.run(serve_one(model_dir, stream, output=output, tool_choice=choice))
+    if stream:
+        deltas = [chunk.choices[0].delta for chunk in answer]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        calls = [call for d in deltas for call in d.tool_calls or []]
+        arguments = "".join(call.function.arguments or "" for call in calls)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        message = answer.choices[0].message
+        reasoning, content = message.reasoning_content, message.content or ""
+        arguments = message.tool_calls[0].function.arguments
+    assert reasoning == "\nParis, then.\n" and content == ""
+    assert json.loads(arguments) == {"city": "Paris"}
