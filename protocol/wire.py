@@ -365,7 +365,8 @@ class ModelInfoReply(_Reply, tag="model_info", omit_defaults=False):
     tokenizer_path: str = ""  # the model's directory, whose tokenizer the server loads
 
 
-class ServerInfoReply(_Reply, tag="server_info"):
+# Its defaults sent too: a replica's dp_rank 0 and a count still 0 are figures, not absences.
+class ServerInfoReply(_Reply, tag="server_info", omit_defaults=False):
     running_requests: int
     waiting_requests: int
     kv_tokens_used: int
