@@ -290,8 +290,7 @@ def check_fit(args: ServerArgs, model_path: str) -> str | None:
         return f"--tp-size {tp} and the model's {kv_heads} KV heads do not divide one another"
     processes = args.dp_size * args.tp_size // args.nnodes
     cores = usable_cores()
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not Path("/dev/nvidiactl").exists())
-    if on_cpu and processes > cores:
+    if _on_cpu(args) and processes > cores:
         return (
             f"--dp-size {args.dp_size} x --tp-size {args.tp_size} is {processes} model processes "
             f"on this node, which has {cores} cores"
@@ -333,6 +332,29 @@ def _bind_refusal(host: str, port: int) -> str | None:
         except OSError as e:
             return "in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
     return None
+
+
+def _on_cpu(args: ServerArgs) -> bool:
+    """Whether the model runs on the CPU (the launcher does not import torch to ask)."""
+    return args.device == "cpu" or (args.device == "auto" and not Path("/dev/nvidiactl").exists())
+
+
+def _warn_if_oversubscribed(args: ServerArgs) -> None:
+    """--num-threads past the cores: OpenMP threads that outnumber the cores wait on each other
+    at every barrier, and a step runs many times slower."""
+    if args.num_threads is None or not _on_cpu(args):
+        return
+    processes = args.dp_size * args.tp_size // args.nnodes
+    cores = usable_cores()
+    if args.num_threads * processes > cores:
+        logger.warning(
+            "--num-threads %d x %d model processes is more threads than this node's %d cores: "
+            "every step will be slower than with %d threads a process (the default)",
+            args.num_threads,
+            processes,
+            cores,
+            max(1, cores // processes),
+        )
 
 
 def _warn_if_reachable(args: ServerArgs) -> None:
@@ -417,6 +439,7 @@ def serve(args: ServerArgs) -> int:
     if mistake is not None:
         usage_error(mistake)
     _warn_if_reachable(args)
+    _warn_if_oversubscribed(args)
     bound_onednn_caches()
     server = Server(args, model_path)
     logger.info("IPC directory %s", server.ipc_dir)

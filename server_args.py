@@ -312,6 +312,9 @@ def check_server_args(args: ServerArgs) -> str | None:
     # An empty key would turn authentication off in silence.
     if args.api_key is not None and not 0 < len(args.api_key) <= MAX_API_KEY_CHARS:
         return f"--api-key must have 1 to {MAX_API_KEY_CHARS} characters"
+    # An empty name would fall back to --model's in silence.
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        return "--served-model-name must not be empty"
     if args.enable_overlap_schedule and args.disable_overlap_schedule:
         return "--enable-overlap-schedule and --disable-overlap-schedule contradict each other"
     return check_parallel_args(args) or check_speculative_args(args)

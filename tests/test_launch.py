@@ -251,6 +251,7 @@ def test_every_number_is_checked_before_anything_starts(capsys: pytest.CaptureFi
         ("--max-queued-requests", "0"): "--max-queued-requests must be at least 1",
         ("--dp-size", "0"): "--dp-size must be at least 1",
         ("--api-key", ""): "--api-key must have 1 to",
+        ("--served-model-name", " "): "--served-model-name must not be empty",
         ("--max-pending-requests", "-5"): "--max-pending-requests must be at least 1",
         ("--max-pending-bytes-per-client", "-1"): "--max-pending-bytes-per-client must be at",
         ("--cache-threshold", "nan"): "--cache-threshold must be a finite number",

@@ -20,7 +20,7 @@ import zmq
 from tm_harness import Harness, receive, send, tokenizer_manager
 
 from radixserve.client.local_server import REPO_ROOT
-from radixserve.launch import _warn_if_reachable
+from radixserve.launch import _warn_if_oversubscribed, _warn_if_reachable
 from radixserve.launch import main as launch_main
 from radixserve.process_setup import Heartbeat
 from radixserve.protocol import transport
@@ -109,6 +109,13 @@ def test_a_public_bind_is_warned_about(caplog, host, warns):
     with caplog.at_level(logging.WARNING, logger="radixserve"):
         _warn_if_reachable(ServerArgs(host=host))
     assert ("any machine that reaches it" in caplog.text) == warns
+
+
+@pytest.mark.parametrize("threads, warns", [(None, False), (1, False), (64, True)])
+def test_more_threads_than_cores_are_warned_about(caplog, threads, warns):
+    with caplog.at_level(logging.WARNING, logger="radixserve"):
+        _warn_if_oversubscribed(ServerArgs(device="cpu", num_threads=threads))
+    assert ("more threads than this node's" in caplog.text) == warns
 
 
 @pytest.mark.parametrize("key", ["", "k" * (MAX_API_KEY_CHARS + 1)])
