@@ -296,12 +296,27 @@ def check_fit(args: ServerArgs, model_path: str) -> str | None:
             f"on this node, which has {cores} cores"
         )
     if args.node_rank > 0:
-        return None  # only the first node binds the client ports
+        return None  # only the first node binds the client ports and the TP groups' stores
     ports = [("--port", args.port)] + ([("--http-port", args.http_port)] if args.http_port else [])
     for flag, port in ports:
         refusal = _bind_refusal(args.host, port)
         if refusal is not None:
             return f"{flag} {port} on --host {args.host}: {refusal}"
+    return _store_refusal(args)
+
+
+def _store_refusal(args: ServerArgs) -> str | None:
+    """Why node 0 could not host each replica's TP store at --dist-init-addr, or None: a host
+    not of this machine had its ranks wait in torch's store for the launcher's whole start
+    timeout, and a port in use failed after loading."""
+    if args.dist_init_addr is None or args.tp_size == 1:  # one rank a replica: no store
+        return None
+    host, port = args.dist_init_addr.rsplit(":", 1)
+    for replica_port in range(int(port), int(port) + args.dp_size):
+        refusal = _bind_refusal(host.strip("[]"), replica_port)
+        if refusal is not None:
+            where = f"{host}:{replica_port}"
+            return f"--dist-init-addr: node 0 hosts the TP group's store at {where}: {refusal}"
     return None
 
 
