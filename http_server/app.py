@@ -18,6 +18,7 @@ from radixserve.http_server.bounded_head import BoundedHeadProtocol
 from radixserve.http_server.front import Front, HttpError, error_response
 from radixserve.http_server.native_api import NativeApi
 from radixserve.http_server.openai_api import OpenAIApi
+from radixserve.tokenizer_manager import request_log
 from radixserve.tokenizer_manager.manager import TokenizerManager
 
 logger = logging.getLogger("radixserve.http_server")
@@ -30,8 +31,11 @@ def build_app(manager: TokenizerManager) -> Starlette:
     native = NativeApi(front)
     name = manager.args.served_model_name or manager.args.model
     openai = OpenAIApi(front, name, manager.context_len)
+    # A generate's failure in the HTTP front itself (a body that does not decode, a wrong
+    # model) is a request's failure that --log-requests logs, as the manager logs its own.
+    logged = manager.args.log_requests
     routes = [
-        Route("/generate", _errors(native.generate), methods=["POST"]),
+        Route("/generate", _errors(native.generate, logged), methods=["POST"]),
         Route("/health", _errors(native.health), methods=["GET"]),
         Route("/health_generate", _errors(native.health_generate), methods=["GET"]),
         Route("/get_model_info", _errors(native.model_info), methods=["GET"]),
@@ -41,8 +45,8 @@ def build_app(manager: TokenizerManager) -> Starlette:
         Route("/metrics", _errors(native.metrics), methods=["GET"]),
         Route("/v1/models", _errors(openai.models), methods=["GET"]),
         Route("/v1/models/{model:path}", _errors(openai.model), methods=["GET"]),
-        Route("/v1/completions", _errors(openai.completions), methods=["POST"]),
-        Route("/v1/chat/completions", _errors(openai.chat_completions), methods=["POST"]),
+        Route("/v1/completions", _errors(openai.completions, logged), methods=["POST"]),
+        Route("/v1/chat/completions", _errors(openai.chat_completions, logged), methods=["POST"]),
     ]
     handlers = {404: _no_route, 405: _no_route}
     return Starlette(routes=routes, exception_handlers=handlers)
@@ -56,11 +60,13 @@ async def _no_route(request: Request, error: Exception) -> Response:
     return error_response(HttpError(code, f"{what}: {request.method} {request.url.path}"))
 
 
-def _errors(handler: Handler) -> Handler:
+def _errors(handler: Handler, log_failures: bool = False) -> Handler:
     async def handle(request: Request) -> Response:
         try:
             return await handler(request)
         except HttpError as e:
+            if log_failures and not e.relayed:
+                request_log.failed(None, e.code, e.message)
             return error_response(e)
         finally:
             Front.release_body(request)  # refused before its generates were submitted

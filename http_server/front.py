@@ -45,13 +45,14 @@ _json = msgspec.json.Encoder()
 
 
 class HttpError(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None):
+    def __init__(self, code: str, message: str, param: str | None = None, *, relayed: bool = False):
         super().__init__(message)
         self.code, self.message, self.param = code, message, param
+        self.relayed = relayed  # the tokenizer manager's error reply: logged there already
 
     @classmethod
     def of(cls, reply: ErrorReply) -> HttpError:
-        return cls(reply.code, reply.message)
+        return cls(reply.code, reply.message, relayed=True)
 
 
 # The wire's codes that OpenAI names otherwise (clients trim a conversation on this one).

@@ -89,7 +89,7 @@ class NativeApi:
         """SGLang's deeper health check: one token generated through the whole request path
         (tokenizer manager, scheduler, model, detokenizer); 503 when it takes past
         HEALTH_GENERATE_TIMEOUT_S."""
-        probe = GenerateRequest(input_ids=[0], sampling_params=_ONE_TOKEN)
+        probe = GenerateRequest(input_ids=[0], sampling_params=_ONE_TOKEN, log_metrics=False)
 
         async def one_token() -> None:
             async for _ in self.front.outputs(request, [probe]):
@@ -119,14 +119,20 @@ class NativeApi:
 
     async def metrics(self, request: Request) -> Response:
         self.front.authorize(request)
-        info = await self.front.query(ServerInfoReq)
-        assert isinstance(info, ServerInfoReply)
+        info: msgspec.Struct | None
+        try:
+            info = await self.front.query(ServerInfoReq)
+        except HttpError as e:
+            if e.code != "overloaded":  # not_ready: 503 while the model loads
+                raise
+            info = None  # a long step: the counters without the load gauges, not a 503
+        assert info is None or isinstance(info, ServerInfoReply)
         body = self.front.manager.metrics.expose(info)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
-_ONE_TOKEN = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+_ONE_TOKEN = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)  # not counted
 
 
 async def _events(

@@ -43,7 +43,7 @@ class SchedulerStats:
             "Prefill batch. #prefill-seq: %d, #new-token: %d, cache hit rate: %.1f%%, "
             "token usage: %.2f, #running-req: %d, #queue-req: %d",
             len(batch.reqs) - batch.num_decodes,
-            batch.num_tokens - batch.num_decodes,
+            batch.num_tokens - batch.num_decodes - batch.num_draft_tokens,
             100 * self.cache_hit_rate,
             kv.used / kv.max_total_tokens,
             num_running,
@@ -78,7 +78,7 @@ class SchedulerStats:
             kv_tokens_used=kv.used,
             kv_tokens_total=kv.max_total_tokens,
             cache_hit_rate=self.cache_hit_rate,
-            gen_throughput=self.gen_throughput,
+            gen_throughput=self.gen_throughput if num_running else 0.0,  # idle: 0, as SGLang's
             num_steps=self.num_steps,
             num_mixed_steps=self.num_mixed_steps,
             num_retractions=self.num_retractions,

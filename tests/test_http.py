@@ -326,6 +326,12 @@ def test_metrics_parse_and_move_under_load(server, oai, model):
     ttft = "radixserve:time_to_first_token_seconds_count"
     assert after[ttft] == before.get(ttft, 0) + 1  # the streamed one
     assert "radixserve:num_running_reqs" in after and "radixserve:token_usage" in after
+    # A load balancer's probe is no client's request (SGLang's log_metrics=False).
+    for _ in range(2):
+        assert httpx.get(f"{url}/health_generate", timeout=60).status_code == 200
+    probed = _metrics(url)
+    for name in ("num_requests", "generation_tokens", "prompt_tokens"):
+        assert probed[f"radixserve:{name}_total"] == after[f"radixserve:{name}_total"], name
 
 
 def _metrics(url: str) -> dict[str, float]:

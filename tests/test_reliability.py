@@ -282,6 +282,22 @@ def test_every_request_is_logged(server):
     bad = line("logged-bad")
     assert "Fail:" in bad and "code=invalid_request" in bad and "stream" in bad
     assert "Finish:" in line(f"{response_id}-0")
+    # Refused by the HTTP front itself (a body that does not decode, a model not served): a
+    # Fail line each too. A health probe is no client's request: no line.
+    finishes = server.log().count("Finish:")
+    url = server.http_url
+    negative = {"text": "Hi", "sampling_params": {"max_new_tokens": -7}}
+    assert httpx.post(f"{url}/generate", json=negative, timeout=60).status_code == 400
+    unknown = {"model": "no-such-model", "prompt": "Hi", "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=unknown, timeout=60).status_code == 404
+    assert httpx.get(f"{url}/health_generate", timeout=60).status_code == 200
+    deadline = time.monotonic() + 30
+    while "no-such-model" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    fails = [x for x in server.log().splitlines() if "Fail: rid=None" in x]
+    assert any("code=invalid_request" in x and "max_new_tokens" in x for x in fails), fails
+    assert any("no-such-model" in x for x in fails), fails
+    assert server.log().count("Finish:") == finishes
 
 
 # ---- shutdown (last: it stops this module's server) ------------------------------------------

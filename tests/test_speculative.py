@@ -9,7 +9,9 @@ one (its drafts rejected) or the target itself (its drafts all accepted)."""
 from __future__ import annotations
 
 import json
+import logging
 import random
+import re
 from pathlib import Path
 
 import msgspec
@@ -23,7 +25,7 @@ from radixserve.model_worker.parallel import TPGroup
 from radixserve.model_worker.sampler import Sampler
 from radixserve.model_worker.spec_verify import draft_tokens, verify, verify_rows
 from radixserve.model_worker.tp_worker import TpModelWorker
-from radixserve.protocol.internal import TokenizedGenerateReq
+from radixserve.protocol.internal import ReqStrOut, TokenizedGenerateReq
 from radixserve.protocol.wire import SamplingParams
 from radixserve.scheduler.config import SchedulerConfig, SpecConfig
 from radixserve.scheduler.ngram import NgramIndex
@@ -35,6 +37,7 @@ from radixserve.server_args import (
     check_speculative_args,
     speculative_num_draft_tokens,
 )
+from radixserve.tokenizer_manager.inflight import InFlightRequest
 from radixserve.tokenizer_manager.metrics import Metrics
 
 CPU = torch.device("cpu")
@@ -311,8 +314,9 @@ def greedy_reference(runner) -> tuple[ModelRunner, dict[str, list]]:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_greedy_outputs_are_token_equal_with_ngram(greedy_reference, overlap: bool) -> None:
+def test_greedy_outputs_are_token_equal_with_ngram(greedy_reference, overlap: bool, caplog) -> None:
     runner, want = greedy_reference
+    caplog.set_level(logging.INFO, logger="radixserve.scheduler")
     stops = sum(o[-1].finished_reason.type == "stop" for o in want.values())
     assert 0 < stops < 32, "some requests should end by EOS, inside an accepted run or not"
     # Arriving while others decode, long prompts in chunks: drafts mix with prefills.
@@ -320,7 +324,12 @@ def test_greedy_outputs_are_token_equal_with_ngram(greedy_reference, overlap: bo
     assert_same_outputs(serve(s, greedy_requests(), stagger=1), want)
     assert s.drafter is not None and s.drafter.stats.accepted > 0
     assert s.stats.num_mixed_steps > 0
+    # The prefill log lines count prompt tokens only, not the drafts mixed into their steps.
+    logged = [int(n) for n in re.findall(r"#new-token: (\d+)", caplog.text)]
+    assert sum(logged) == s.stats.num_prefill_tokens
     info = s.server_info()  # /metrics' accept length comes from it
+    # Idle now: no throughput, whatever the last log interval made (SGLang's idle reset).
+    assert info.gen_throughput == 0 < s.stats.gen_throughput
     assert info.spec_accepted_tokens == s.drafter.stats.accepted
     assert 1 < info.spec_accept_length == 1 + info.spec_accepted_tokens / info.spec_verifies
     assert f"radixserve:spec_accept_length {info.spec_accept_length}" in (
@@ -329,6 +338,29 @@ def test_greedy_outputs_are_token_equal_with_ngram(greedy_reference, overlap: bo
     alone = make_scheduler(runner, NGRAM, overlap=overlap)
     for msg in greedy_requests()[:8]:
         assert_same_outputs(serve(alone, [msg], 0), {msg.rid: want[msg.rid]})
+
+
+def test_an_output_of_several_tokens_is_several_inter_token_gaps() -> None:
+    """With speculation one output carries k tokens: the ITL histogram counts k gaps of the
+    interval's k-th each, the whole interval in its sum (SGLang's)."""
+    metrics = Metrics()
+    request = InFlightRequest((b"peer",), "r", stream=True, ids=["0"], open=1)
+    first, later = request.created + 0.1, request.created + 0.9
+    metrics.on_tokens(request, None, _str_out(1), first)  # the first: TTFT
+    metrics.on_tokens(request, first, _str_out(8), later)
+    registry = metrics.registry
+    assert registry.get_sample_value("radixserve:inter_token_latency_seconds_count") == 8
+    assert registry.get_sample_value("radixserve:inter_token_latency_seconds_sum") == (
+        pytest.approx(0.8)
+    )
+    bucket = {"le": "0.15"}  # each gap 0.1 s (0.08 holds none)
+    assert registry.get_sample_value("radixserve:inter_token_latency_seconds_bucket", bucket) == 8
+    below = {"le": "0.08"}
+    assert registry.get_sample_value("radixserve:inter_token_latency_seconds_bucket", below) == 0
+
+
+def _str_out(tokens: int) -> ReqStrOut:
+    return ReqStrOut("0", "t" * tokens, list(range(tokens)), None, 3, tokens, 0)
 
 
 def test_greedy_outputs_are_token_equal_with_ngram_on_torch_native(tiny_model) -> None:

@@ -61,7 +61,8 @@ class Admission:
             except ValueError as e:
                 raise ClientError("invalid_request", str(e), rid) from None
         ticket = self.intake.take(self.replies.client_of(envelope[0]), held_bytes(req), rid)
-        request = self.inflight.open(envelope, rid, req.stream, req.sampling_params.n)
+        n = req.sampling_params.n
+        request = self.inflight.open(envelope, rid, req.stream, n, req.log_metrics)
         if request is None:
             ticket.release()
             raise ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)
@@ -84,7 +85,7 @@ class Admission:
         """A bug stopped the request on its way: it ends here, its rid free again, and whatever
         of it may have reached the scheduler is aborted (else that ran on unseen and the rid
         stayed taken). Its client gets one `internal` error, unless it had its last reply."""
-        logger.error("request %s failed", request.rid, exc_info=bug)
+        logger.error("request %r failed", request.rid, exc_info=bug)
         answered = request.answered
         self.inflight.answer(request)
         live = self.inflight.live_ids(request)
@@ -101,7 +102,7 @@ class Admission:
         except Exception as e:
             if request.answered:  # dropped meanwhile (its client gone or too slow): answered
                 if not isinstance(e, ValueError):
-                    logger.exception("tokenizing request %s failed", request.rid)
+                    logger.exception("tokenizing request %r failed", request.rid)
                 return
             if not isinstance(e, ValueError):
                 raise  # a bug: _send ends the request

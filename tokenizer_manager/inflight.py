@@ -36,6 +36,7 @@ class InFlightRequest:
     created: float = field(default_factory=time.monotonic)
     answered: bool = False  # it had its last reply: whatever comes later for it is dropped
     aborted: bool = False  # its client asked to abort it (maybe while it was in the tokenizer)
+    counted: bool = True  # in /metrics and --log-requests (SGLang's log_metrics)
 
     @property
     def peer(self) -> bytes:
@@ -98,13 +99,15 @@ class InFlight:
     def of_peer(self, peer: bytes) -> list[InFlightRequest]:
         return list(self.by_peer.get(peer, {}).values())
 
-    def open(self, envelope: Envelope, rid: str, stream: bool, n: int) -> InFlightRequest | None:
+    def open(
+        self, envelope: Envelope, rid: str, stream: bool, n: int, counted: bool = True
+    ) -> InFlightRequest | None:
         """A new client request with n fresh ids; None if the client has `rid` in flight."""
         requests = self.by_peer.setdefault(envelope[0], {})
         if rid in requests:
             return None
         ids = [f"{next(self._next_id):x}" for _ in range(n)]
-        request = InFlightRequest(envelope, rid, stream, ids, open=n)
+        request = InFlightRequest(envelope, rid, stream, ids, open=n, counted=counted)
         requests[rid] = request
         return request
 

@@ -233,14 +233,15 @@ class TokenizerManager:
             return
         request = completion.request
         finished = out.finished_reason is not None
-        if out.new_token_ids:
+        if out.new_token_ids and request.counted:
             now = time.monotonic()
             self.metrics.on_tokens(request, completion.last_tokens_at, out, now)
             completion.last_tokens_at = now
         if finished:
-            self.metrics.on_finished(request, out)
             self.inflight.end(out.rid)
-            if self.args.log_requests:
+            if request.counted:
+                self.metrics.on_finished(request, out)
+            if self.args.log_requests and request.counted:
                 request_log.finished(request, completion.index, out)
         if request.answered:  # an error ended it, or its client is gone
             return

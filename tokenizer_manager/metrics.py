@@ -2,7 +2,8 @@
 
 Counters and latency histograms are fed by the tokenizer manager as outputs pass through it, for
 every client, ZMQ or HTTP; the load gauges are the scheduler's server_info, read at each scrape.
-One registry per server, not prometheus_client's global one.
+Two registries per server (not prometheus_client's global one): the gauges have their own, so
+that a scrape the scheduler could not answer in time (a long step) still has the counters.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.load_registry = CollectorRegistry()  # the gauges, from the scheduler's server_info
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, registry=self.registry)
+            return Gauge(PREFIX + name, doc, registry=self.load_registry)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(PREFIX + name, doc, registry=self.registry)
@@ -70,8 +72,11 @@ class Metrics:
             return
         if previous is None:
             self.ttft.observe(now - request.created)
-        else:
-            self.itl.observe((now - previous) / len(out.new_token_ids))
+            return
+        # k tokens in one output (speculation): k gaps, of the interval's k-th each (SGLang's).
+        count = len(out.new_token_ids)
+        for _ in range(count):
+            self.itl.observe((now - previous) / count)
 
     def on_finished(self, request: InFlightRequest, out: ReqStrOut) -> None:
         assert out.finished_reason is not None
@@ -82,8 +87,11 @@ class Metrics:
         self.cached_tokens.inc(out.cached_tokens)
         self.e2e.observe(time.monotonic() - request.created)
 
-    def expose(self, info: ServerInfoReply) -> bytes:
-        """The text exposition, with the load gauges set from the scheduler's `info`."""
+    def expose(self, info: ServerInfoReply | None) -> bytes:
+        """The text exposition, with the load gauges set from the scheduler's `info`; without
+        them where it had none (no figure beats a stale one)."""
+        if info is None:
+            return generate_latest(self.registry)
         self.num_running_reqs.set(info.running_requests)
         self.num_queue_reqs.set(info.waiting_requests)
         self.num_used_tokens.set(info.kv_tokens_used)
@@ -91,4 +99,4 @@ class Metrics:
         self.cache_hit_rate.set(info.cache_hit_rate)
         self.gen_throughput.set(info.gen_throughput)
         self.spec_accept_length.set(info.spec_accept_length)
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.load_registry)

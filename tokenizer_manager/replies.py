@@ -65,7 +65,7 @@ class Replies:
         except ClientError as e:
             await self.reply_error(envelope, e)
         except Exception as e:  # a bug must cost this client its request, not the server
-            logger.exception("request %s failed", rid)
+            logger.exception("request %r failed", rid)  # repr: a rid cannot forge a line
             bug = ClientError("internal", f"{type(e).__name__}: {e}", rid)
             await self.reply_error(envelope, bug)
 
