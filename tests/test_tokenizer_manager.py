@@ -252,6 +252,42 @@ def test_a_slow_reader_gets_every_reply_in_the_end(tiny_served_model):
     asyncio.run(scenario())
 
 
+def test_a_reader_that_reads_nothing_is_tried_ever_less_often(tiny_served_model):
+    """A client that stalls with replies waiting is not tried 100 times a second while the
+    server idles: the retries back off (to MAX_FLUSH_INTERVAL_S); a new backlog brings the short
+    interval back, and a client that reads again gets everything."""
+    steps = 6000
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            outbox = h.manager.replies.outbox
+            flushes = 0
+            flush = outbox.flush
+
+            def counted() -> list[bytes]:  # the real flush, counted
+                nonlocal flushes
+                flushes += 1
+                return flush()
+
+            outbox.flush = counted  # type: ignore[method-assign]
+            client = h.client(**SMALL_BUFFERS)
+            await send(client, **generate("stalled", max_new_tokens=steps))
+            started = await h.to_scheduler()
+            await flood(h, started.rid, steps)
+            await asyncio.sleep(0.5)
+            assert outbox.backlogs, "the test did not get past the queue"
+            flushes = 0
+            await asyncio.sleep(2.0)
+            assert flushes <= 12, flushes  # at 10 ms each: 200
+            replies = []
+            with contextlib.suppress(asyncio.TimeoutError):
+                while len(replies) < steps:
+                    replies.append(await receive(client, timeout=5))
+            assert len(replies) == steps and replies[-1]["finished"]
+
+    asyncio.run(scenario())
+
+
 def test_a_reader_too_slow_for_the_backlog_bound_is_aborted(tiny_served_model):
     steps = 6000
 

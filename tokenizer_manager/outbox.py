@@ -41,6 +41,8 @@ class Outbox:
         self.meter = meter
         self.backlogs: dict[bytes, _Backlog] = {}  # by the client's routing id
         self.waiting = asyncio.Event()  # set while some backlog is not empty
+        self.new_backlog = asyncio.Event()  # set when a client's backlog begins
+        self.sent = 0  # messages sent from the backlogs (so that a flush that sent none shows)
 
     def send(self, envelope: list[bytes], data: bytes, owner: object = None) -> Delivery:
         frames = [*envelope, data]
@@ -51,6 +53,7 @@ class Outbox:
                 return sent
             backlog = self.backlogs[envelope[0]] = _Backlog()
             self.waiting.set()
+            self.new_backlog.set()
         # Behind older ones: a client gets its replies in order.
         backlog.messages.append((frames, owner))
         self._held(backlog, len(data))
@@ -77,6 +80,7 @@ class Outbox:
                 return sent
             frames, _ = backlog.messages.popleft()
             self._held(backlog, -len(frames[-1]))
+            self.sent += 1
         return Delivery.SENT
 
     def drop(self, peer: bytes) -> list[object]:

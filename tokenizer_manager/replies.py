@@ -7,6 +7,7 @@ streamed runs to its end) or reading too slowly has its requests aborted, their 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -29,6 +30,9 @@ from radixserve.tokenizer_manager.scheduler_link import SchedulerLink
 logger = logging.getLogger("radixserve.tokenizer_manager")
 
 FLUSH_INTERVAL_S = 0.01  # how often replies waiting for a slow client are tried again
+# Clients that read nothing for a while are tried less often, down to this (a new backlog, of
+# any client, brings the short interval back): a stalled client cost 100 tries a second.
+MAX_FLUSH_INTERVAL_S = 0.32
 _CLIENT_BOUND = "--max-reply-backlog-bytes"
 _TOTAL_BOUND = "--max-total-reply-backlog-bytes (all clients together; this one had the most)"
 
@@ -151,11 +155,18 @@ class Replies:
 
     async def flush_loop(self) -> None:
         """Retry the replies that wait for room in a slow client's queue."""
+        interval = FLUSH_INTERVAL_S
         while True:
             await self.outbox.waiting.wait()
+            sent = self.outbox.sent
+            self.outbox.new_backlog.clear()
             for peer in self.outbox.flush():
                 await self.drop_client(peer)
-            await asyncio.sleep(FLUSH_INTERVAL_S)
+            stalled = self.outbox.sent == sent
+            interval = min(2 * interval, MAX_FLUSH_INTERVAL_S) if stalled else FLUSH_INTERVAL_S
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.outbox.new_backlog.wait(), interval)
+                interval = FLUSH_INTERVAL_S
 
     async def flush_last(self, timeout: float) -> None:
         """At shutdown: what waits for slow clients gets `timeout` seconds to leave."""
