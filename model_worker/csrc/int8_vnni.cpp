@@ -301,11 +301,12 @@ at::Tensor int8_vnni_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& 
 #else
   const bool pairs = false;
 #endif
+  // Checked first, under this op's own name, whichever way it runs (on an AVX2 build too).
+  const c10::optional<at::Tensor> bias = bias_as_float(bias_in);
+  const float* bp = check_vnni_args(x, packed, w_scale, bias, "int8_vnni_linear_silu_and_mul");
   if (!pairs) {  // gate's and up's blocks do not pair (or no 16-lane Vec): the two passes
     return silu_and_mul(int8_vnni_linear(x, packed, w_scale, bias_in));
   }
-  const c10::optional<at::Tensor> bias = bias_as_float(bias_in);
-  const float* bp = check_vnni_args(x, packed, w_scale, bias, "int8_vnni_linear_silu_and_mul");
   const int64_t M = x.size(0), k_pad = packed.size(1) * kGroup;
   at::Tensor y = at::empty({M, I}, x.options());
   if (M == 0 || I == 0) return y;
