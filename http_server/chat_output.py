@@ -17,8 +17,8 @@ from radixserve.http_server.tool_parser import (
 
 
 class ChatOutput:
-    def __init__(self, reasoning_parser: str | None, tools: ToolCallParser | None):
-        self.reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None):
+        self.reasoning = reasoning
         self.tools = tools
         self.called = False  # a tool call went out
 

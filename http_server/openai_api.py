@@ -35,7 +35,9 @@ from radixserve.http_server.openai_protocol import (
     NamedToolChoice,
     RequestT,
 )
+from radixserve.http_server.reasoning_parser import ReasoningParser
 from radixserve.http_server.tool_parser import ForcedCalls, ToolCallParser, tool_call_parser
+from radixserve.protocol.reasoning_tags import starts_thinking
 from radixserve.protocol.wire import GRAMMAR_FIELDS, GenerateRequest, OutputReply
 from radixserve.tokenizer_manager.sampling_defaults import fill_sampling_defaults
 from radixserve.tokenizer_manager.tokenization import PromptTooLong
@@ -162,16 +164,30 @@ class OpenAIApi:
         input_ids = await _tokenized(tokenization.chat_ids_async(messages, tools, kwargs))
         head = out.new_head(self.model_name, chat=True)
         generate, sent = _checked(protocol.chat_generate, req, input_ids, self._limits(), head.id)
-        # A grammar (response_format, regex, a forced call) shapes the answer after the thinking
-        # (scheduler/reasoning_grammar.py): the split is the same with one as without.
-        reasoning = self.reasoning_parser if req.separate_reasoning else None
+        reasoning = self._reasoning(req, input_ids, generate.sampling_params.grammar is not None)
         tool_parser = self._tool_calls(req)
-        choices = _Choices(req.n, None, lambda: ChatOutput(reasoning, tool_parser()))
+        choices = _Choices(req.n, None, lambda: ChatOutput(reasoning(), tool_parser()))
         return await self._respond(request, req, head, [generate], sent, choices)
 
     def _limits(self) -> tuple[int, int]:
         """(context length, the KV pool's tokens): what an output's length must fit."""
         return self.context_length, self.front.manager.kv_tokens
+
+    def _reasoning(
+        self, req: ChatCompletionRequest, prompt_ids: list[int], constrained: bool
+    ) -> Callable[[], ReasoningParser | None]:
+        """What splits each choice's thinking off (--reasoning-parser), where the scheduler puts
+        it: a grammar (response_format, regex, a forced call) shapes the answer after it, so
+        that the split is the same with one as without; where the tags are not one token each,
+        no grammar waits for a thinking, and a constrained output is all answer."""
+        parser = self.reasoning_parser
+        if parser is None or not req.separate_reasoning:
+            return lambda: None
+        tags = self.front.manager.tokenization.think_tags
+        if constrained and tags is None:
+            return lambda: None
+        thinks_first = starts_thinking(parser, prompt_ids, tags)
+        return lambda: ReasoningParser(parser, thinks_first)
 
     def _tool_calls(self, req: ChatCompletionRequest) -> Callable[[], ToolCallParser | None]:
         """What reads each choice's tool calls: the forced call's JSON when tool_choice forces

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-START, END = "<think>", "</think>"
+from radixserve.protocol.reasoning_tags import END, START
+
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 
@@ -32,10 +33,12 @@ def held_back(text: str, tag: str) -> int:
 class ReasoningParser:
     """One completion's stream: feed each new piece of text, then finish once."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, thinks_first: bool | None = None):
+        """`thinks_first`: the output begins inside the thinking (protocol/reasoning_tags.py's
+        starts_thinking, from the prompt); by default, as the parser's template writes it."""
         if name not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser {name!r}: one of {', '.join(REASONING_PARSERS)}")
-        self.thinks_first = name == "deepseek-r1"
+        self.thinks_first = name == "deepseek-r1" if thinks_first is None else thinks_first
         self.state = "start"  # start -> reasoning -> content (or start -> content)
         self.buffer = ""
         self.after_end = False  # the answer's leading newlines after </think> are dropped

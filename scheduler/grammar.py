@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.protocol.internal import ReqError
+from radixserve.protocol.reasoning_tags import END, START, ThinkTags, starts_thinking, think_tags
 from radixserve.protocol.wire import FinishReason
-from radixserve.scheduler.reasoning_grammar import ThinkThenGrammar, ThinkTokens, think_tokens
+from radixserve.scheduler.reasoning_grammar import ThinkThenGrammar
 from radixserve.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class GrammarBackend:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size  # the logits' width, which the masks cover
         self.reasoning_parser = reasoning_parser
-        self._think: ThinkTokens | None = None  # the tags' ids, with the compiler
+        self._tags: ThinkTags | None = None  # the thinking's tags (ids), with the compiler
         self.cache_size = cache_size
         self.threads = threads
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
@@ -114,13 +115,18 @@ class GrammarBackend:
             self._cache.popitem(last=False)
         return future
 
-    def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher | ThinkThenGrammar:
+    def matcher(
+        self, compiled: xgr.CompiledGrammar, prompt_ids: list[int]
+    ) -> xgr.GrammarMatcher | ThinkThenGrammar:
         """A request's own matcher over a grammar this backend compiled: after the thinking, for
         a reasoning model."""
         import xgrammar as xgr
 
         matcher = xgr.GrammarMatcher(compiled)
-        return matcher if self._think is None else ThinkThenGrammar(matcher, self._think)
+        if self.reasoning_parser is None or self._tags is None:
+            return matcher
+        thinking = starts_thinking(self.reasoning_parser, prompt_ids, self._tags)
+        return ThinkThenGrammar(matcher, self._tags, thinking)
 
     def busy(self) -> int:
         """Compiles running now, those whose requests timed out included."""
@@ -151,7 +157,15 @@ class GrammarBackend:
 
                 tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
                 if self.reasoning_parser is not None:
-                    self._think = think_tokens(tokenizer, self.reasoning_parser)
+                    self._tags = think_tags(tokenizer)
+                    if self._tags is None:
+                        logger.warning(
+                            "--reasoning-parser %s: %s and %s are not one token each in this "
+                            "tokenizer; grammars hold from the first output token",
+                            self.reasoning_parser,
+                            START,
+                            END,
+                        )
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
                 # Our own cache above: xgrammar's would keep a second copy. One thread per
                 # compile: the forward's threads already take every core.
@@ -241,8 +255,9 @@ class GrammarQueue:
             elif entry.future.done():
                 error = entry.future.exception()
                 if error is None:
-                    entry.req.grammar = self.backend.matcher(entry.future.result())
-                    ready.append(entry.req)
+                    req = entry.req
+                    req.grammar = self.backend.matcher(entry.future.result(), req.origin_input_ids)
+                    ready.append(req)
                 else:
                     errors.append(ReqError(rid, "invalid_request", f"{field}: {_reason(error)}"))
             elif self.backend.cpu_seconds(entry.future) > self.timeout_s:
@@ -288,6 +303,13 @@ def vocab_mask(reqs: list[Req], emits: list[bool], vocab_size: int) -> torch.Ten
             assert not req.future_ids, "a constrained request's last token is still in flight"
             req.grammar.fill_next_token_bitmask(mask, i)
     return mask
+
+
+def grammar_decides_end(req: Req) -> bool:
+    """Whether the request's grammar decides where its output ends now: not while a reasoning
+    model thinks (free text, as without a grammar)."""
+    grammar = req.grammar
+    return grammar is not None and not (isinstance(grammar, ThinkThenGrammar) and grammar.thinking)
 
 
 def accept_token(req: Req, token: int) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from radixserve.model_worker.batch import LogitBias, PenaltyTokens, SamplingBatchInfo
 from radixserve.model_worker.sampler import GREEDY_TEMPERATURE
+from radixserve.scheduler.grammar import grammar_decides_end
 from radixserve.scheduler.req import Req
 from radixserve.scheduler.seen_tokens import SeenTokens, penalty_tokens
 
@@ -103,7 +104,7 @@ def _logit_bias(
         rows += [i] * len(params.logit_bias)
         token_ids += params.logit_bias.keys()
         biases += params.logit_bias.values()
-        if int(output_index[i]) < params.min_new_tokens and req.grammar is None:
+        if int(output_index[i]) < params.min_new_tokens and not grammar_decides_end(req):
             rows += [i] * len(req.stop_token_ids)
             token_ids += req.stop_token_ids
             biases += [float("-inf")] * len(req.stop_token_ids)

@@ -152,14 +152,9 @@ def test_n_copies_share_one_compile_and_seeds_repeat(
     assert len(texts) == 1  # same seed, same grammar: the same tokens
 
 
-@pytest.mark.parametrize("parser", [None, "qwen3", "deepseek-r1"])
-def test_with_a_reasoning_parser_the_grammar_holds_after_the_thinking(
-    tiny_model, tiny_served_model: Path, parser: str | None
-) -> None:
-    """A model whose tokenizer has <think> and </think>, biased to write them: with qwen3's
-    parser the output may open with <think> (no other token outside the grammar), thinks freely
-    until </think>, then follows the grammar; with deepseek-r1's it thinks from its first token.
-    Without a parser the grammar holds from the first token: neither tag can come."""
+def thinking_scheduler(tiny_model, tiny_served_model: Path, parser: str | None):
+    """A scheduler over a model whose tokenizer has <think> and </think> (one token each), with
+    `parser`'s grammars; the tokenizer, and the tags' ids."""
     model = tiny_model("llama", vocab_size=49160, max_position_embeddings=1024, bos_token_id=1)
     tokenizer = AutoTokenizer.from_pretrained(tiny_served_model)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
@@ -184,7 +179,18 @@ def test_with_a_reasoning_parser_the_grammar_holds_after_the_thinking(
         check_invariants=True,
     )
     backend = GrammarBackend(str(model), 49160, reasoning_parser=parser)
-    s = Scheduler(config, TpModelWorker(runner), backend)
+    return Scheduler(config, TpModelWorker(runner), backend), tokenizer, start, end
+
+
+@pytest.mark.parametrize("parser", [None, "qwen3", "deepseek-r1"])
+def test_with_a_reasoning_parser_the_grammar_holds_after_the_thinking(
+    tiny_model, tiny_served_model: Path, parser: str | None
+) -> None:
+    """Biased to write the tags: with qwen3's parser the output may open with <think> (no other
+    token outside the grammar), thinks freely until </think>, then follows the grammar; with
+    deepseek-r1's it thinks from its first token. Without a parser the grammar holds from the
+    first token: neither tag can come."""
+    s, tokenizer, start, end = thinking_scheduler(tiny_model, tiny_served_model, parser)
     bias = {start: 50.0, end: 100.0}  # </think> wherever it may come, else <think>
     s.add_request(gen("r", [1, 5, 9, 14], regex=REGEX, temperature=0.0, logit_bias=bias))
     outs = run(s)
@@ -193,6 +199,26 @@ def test_with_a_reasoning_parser_the_grammar_holds_after_the_thinking(
     assert tokens[: len(thinking)] == thinking
     assert matches("regex", tokenizer.decode(tokens[len(thinking) :], skip_special_tokens=True))
     assert outs["r"][-1].finished_reason.type == "stop"
+
+
+def test_a_thinking_is_free_text_a_closed_one_is_not(tiny_model, tiny_served_model: Path) -> None:
+    """deepseek-r1: while the output thinks, min_new_tokens holds EOS back as without a grammar;
+    a prompt that closed the thinking (its template with the thinking off) leaves no thinking to
+    wait for: the grammar holds from the first token."""
+    s, tokenizer, start, end = thinking_scheduler(tiny_model, tiny_served_model, "deepseek-r1")
+    eos_first = {2: 100.0}
+    s.add_request(gen("min", [1, 5, 9, 14], regex=REGEX, temperature=0.0, logit_bias=eos_first))
+    held = {"logit_bias": eos_first, "min_new_tokens": 6}
+    s.add_request(gen("held", [1, 5, 9, 14], regex=REGEX, temperature=0.0, **held))
+    closed = [1, 5, start, 9, end, 14]
+    bias = {end: 100.0}
+    s.add_request(gen("closed", closed, regex=REGEX, temperature=0.0, logit_bias=bias))
+    outs = run(s)
+    tokens = {rid: [t for o in out for t in o.new_token_ids] for rid, out in outs.items()}
+    assert tokens["min"] == [2]  # no minimum: EOS ends the thinking at once
+    assert len(tokens["held"]) == 7 and tokens["held"][6] == 2 and 2 not in tokens["held"][:6]
+    assert end not in tokens["closed"]
+    assert matches("regex", tokenizer.decode(tokens["closed"], skip_special_tokens=True))
 
 
 def test_bad_grammars_are_refused_naming_the_field(

@@ -24,15 +24,16 @@ from radixserve.http_server.app import build_app
 from radixserve.protocol.internal import TokenizedGenerateReq
 from radixserve.protocol.wire import FinishReason
 
-# A template that shows what reached it: the tools' names, enable_thinking, a tool call and a
-# tool's answer in the history.
+# A template that shows what reached it: the tools' names, enable_thinking (off: the thinking
+# closed in the prompt, as Qwen3's template writes it), a tool call and a tool's answer in the
+# history.
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
     "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }}({{ c.function.arguments.city }})"
     "{% endfor %}{% if m.tool_call_id %} FOR {{ m.tool_call_id }}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}"
-    "{% endif %}{% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}"
-    "<|im_start|>assistant\n"
+    "{% endif %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}NOTHINK<think></think>{% endif %}"
 )
 TOOLS = [
     {
@@ -88,6 +89,23 @@ def model_dir(tiny_served_model: Path, tmp_path_factory: pytest.TempPathFactory)
     return path
 
 
+@pytest.fixture(scope="module")
+def thinking_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """model_dir's model, its tokenizer with <think> and </think> one token each (as Qwen3's and
+    DeepSeek-R1's are): where the scheduler can hold a grammar until the thinking ends. (The
+    test plays the scheduler: the model's rows for them need not exist, only its config's.)"""
+    path = tmp_path_factory.mktemp("tools-thinking")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save_pretrained(path)
+    config = json.loads((model_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": len(tokenizer)}))
+    for item in model_dir.iterdir():
+        if not (path / item.name).exists():
+            (path / item.name).symlink_to(item)
+    return path
+
+
 def detokenized_pieces(model_dir: Path, text: str) -> list[tuple[int, str]]:
     """(token, new text) for each token of `text`, as incremental decoding hands them out."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -102,12 +120,17 @@ def detokenized_pieces(model_dir: Path, text: str) -> list[tuple[int, str]]:
 
 
 async def serve_one(
-    model_dir: Path, stream: bool, whole: bool = False, output: str = OUTPUT, **create: Any
+    model_dir: Path,
+    stream: bool,
+    whole: bool = False,
+    output: str = OUTPUT,
+    parser: str = "qwen3",
+    **create: Any,
 ) -> tuple[Any, str]:
     """The SDK's answer to one chat request, the scheduler's part played by the test; and the
     prompt the template rendered. The output comes token by token, or (whole) in one piece."""
     async with tokenizer_manager(
-        model_dir, tool_call_parser="qwen25", reasoning_parser="qwen3"
+        model_dir, tool_call_parser="qwen25", reasoning_parser=parser
     ) as h:
         transport = httpx.ASGITransport(app=build_app(h.manager))
         http = httpx.AsyncClient(transport=transport, base_url="http://t")
@@ -193,22 +216,45 @@ def test_a_call_written_in_one_piece_streams_as_one_entry_a_chunk(model_dir):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_call_forced_by_name_after_the_thinking(model_dir, stream):
-    """With --reasoning-parser a grammar shapes the answer after </think> (the scheduler's
-    part): the thinking goes to reasoning_content, and the forced call's arguments are the rest."""
-    output = '<think>\nParis, then.\n</think>\n\n{"city": "Paris"}'
-    choice = {"type": "function", "function": {"name": "get_weather"}}
-    answer, _ = asyncio.run(serve_one(model_dir, stream, output=output, tool_choice=choice))
+FORCED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def answer_parts(answer: Any, stream: bool) -> tuple[str, str, str]:
+    """(reasoning, content, the first call's arguments) of a chat answer, streamed or not."""
     if stream:
         deltas = [chunk.choices[0].delta for chunk in answer]
         reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
         calls = [call for d in deltas for call in d.tool_calls or []]
         arguments = "".join(call.function.arguments or "" for call in calls)
-        content = "".join(d.content or "" for d in deltas)
-    else:
-        message = answer.choices[0].message
-        reasoning, content = message.reasoning_content, message.content or ""
-        arguments = message.tool_calls[0].function.arguments
+        return reasoning, "".join(d.content or "" for d in deltas), arguments
+    message = answer.choices[0].message
+    calls = message.tool_calls or []
+    arguments = calls[0].function.arguments if calls else ""
+    return getattr(message, "reasoning_content", None) or "", message.content or "", arguments
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_forced_by_name_after_the_thinking(thinking_dir, stream):
+    """With --reasoning-parser a grammar shapes the answer after </think> (the scheduler's
+    part): the thinking goes to reasoning_content, and the forced call's arguments are the rest."""
+    output = '<think>\nParis, then.\n</think>\n\n{"city": "Paris"}'
+    answer, _ = asyncio.run(serve_one(thinking_dir, stream, output=output, tool_choice=FORCED))
+    reasoning, content, arguments = answer_parts(answer, stream)
     assert reasoning == "\nParis, then.\n" and content == ""
     assert json.loads(arguments) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_a_forced_call_where_no_thinking_comes_first(model_dir, thinking_dir, closed):
+    """deepseek-r1 thinks first, unless no grammar waits for it (the tags are not one token
+    each: the grammar writes from the first token) or the prompt closed the thinking (its
+    template with the thinking off): then the whole output is the call's arguments."""
+    where = thinking_dir if closed else model_dir
+    kwargs = {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}} if closed else {}
+    output = '{"city": "Paris"}'
+    answer, prompt = asyncio.run(
+        serve_one(where, False, output=output, parser="deepseek-r1", tool_choice=FORCED, **kwargs)
+    )
+    assert ("<think></think>" in prompt) == closed
+    reasoning, content, arguments = answer_parts(answer, False)
+    assert (reasoning, content) == ("", "") and json.loads(arguments) == {"city": "Paris"}

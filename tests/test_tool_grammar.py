@@ -106,9 +106,11 @@ def test_parallel_tool_calls_false_allows_one_call(compiler) -> None:
 
 
 def test_a_forced_call_comes_back_as_tool_calls_whatever_the_reasoning_parser() -> None:
-    """The grammar's JSON is read back as tool_calls; with a reasoning parser built anyway (the
-    API builds none for a constrained request), deepseek-r1's would take the whole output."""
+    """The grammar's JSON is read back as tool_calls. deepseek-r1's parser that thinks first
+    would take an output the grammar wrote from its first token whole: the API builds it so only
+    where the scheduler holds the grammar until </think> (protocol/reasoning_tags.py)."""
     from radixserve.http_server.chat_output import ChatOutput
+    from radixserve.http_server.reasoning_parser import ReasoningParser
     from radixserve.http_server.tool_parser import ForcedCalls
 
     output = ChatOutput(None, ForcedCalls("get_weather"))
@@ -122,8 +124,12 @@ def test_a_forced_call_comes_back_as_tool_calls_whatever_the_reasoning_parser() 
     required = ChatOutput(None, ForcedCalls(None))
     required.delta('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}]', True)
     assert required.finish_reason("stop") == "tool_calls"
-    swallowed = ChatOutput("deepseek-r1", ForcedCalls("get_weather")).message('{"city": "Paris"}')
-    assert "tool_calls" not in swallowed  # why openai_api drops the reasoning parser here
+    thinking = ReasoningParser("deepseek-r1")
+    swallowed = ChatOutput(thinking, ForcedCalls("get_weather")).message('{"city": "Paris"}')
+    assert "tool_calls" not in swallowed
+    answering = ReasoningParser("deepseek-r1", thinks_first=False)  # the prompt closed it
+    called = ChatOutput(answering, ForcedCalls("get_weather")).message('{"city": "Paris"}')
+    assert called["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
 
 
 def test_chat_template_kwargs_are_plain_variables_only() -> None:

@@ -18,6 +18,7 @@ import jinja2
 import msgspec
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from radixserve.protocol.reasoning_tags import think_tags
 from radixserve.protocol.wire import (
     MAX_STOP_TOKEN_IDS,
     GenerateRequest,
@@ -64,6 +65,7 @@ class Tokenization:
         # this cannot fit the context: it is refused before the tokenizer spends seconds on it.
         longest_token = max(map(len, tokenizer.get_vocab()))
         self.max_prompt_chars = context_len * longest_token
+        self.think_tags = think_tags(tokenizer)  # a reasoning model's, as the scheduler's
         self._special_ids = {  # within the model's rows: an id past them would index nothing
             token.content: token_id
             for token_id, token in tokenizer.added_tokens_decoder.items()

@@ -1,0 +1,46 @@
+"""A reasoning model's thinking tags (`--reasoning-parser`), and whether an output starts inside
+its thinking. One definition for the two places that must agree on it: the scheduler, which
+holds a grammar until the thinking ends (scheduler/reasoning_grammar.py), and the HTTP front,
+which splits the thinking from the answer (http_server/reasoning_parser.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkTags:
+    start: int
+    end: int
+
+
+def think_tags(tokenizer: PreTrainedTokenizerBase) -> ThinkTags | None:
+    """The tags' ids; None where either is not one token of this tokenizer (then no grammar
+    waits for the thinking: ids cannot show where it ends)."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END)]
+    if any(len(tag_ids) != 1 for tag_ids in ids):
+        return None
+    return ThinkTags(ids[0][0], ids[1][0])
+
+
+def starts_thinking(parser: str, prompt_ids: Sequence[int], tags: ThinkTags | None) -> bool:
+    """Whether the output begins inside the thinking. qwen3: no, its output opens the thinking
+    itself with `<think>`. deepseek-r1: yes, its template opens it in the prompt; unless the
+    prompt closed it again (a template with the thinking turned off writes both tags), which
+    only the tags' ids can show."""
+    if parser != "deepseek-r1":
+        return False
+    if tags is None:
+        return True
+    for token in reversed(prompt_ids):
+        if token in (tags.start, tags.end):  # the last tag decides
+            return token == tags.start
+    return True
