@@ -306,17 +306,34 @@ def check_fit(args: ServerArgs, model_path: str) -> str | None:
 
 
 def _store_refusal(args: ServerArgs) -> str | None:
-    """Why node 0 could not host each replica's TP store at --dist-init-addr, or None: a host
-    not of this machine had its ranks wait in torch's store for the launcher's whole start
-    timeout, and a port in use failed after loading."""
+    """Why node 0 could not host each replica's TP store at --dist-init-addr's ports, or None.
+    torch's store listens on every address, whatever the host: a port in use on any of them
+    failed after loading."""
     if args.dist_init_addr is None or args.tp_size == 1:  # one rank a replica: no store
         return None
-    host, port = args.dist_init_addr.rsplit(":", 1)
-    for replica_port in range(int(port), int(port) + args.dp_size):
-        refusal = _bind_refusal(host.strip("[]"), replica_port)
+    port = int(args.dist_init_addr.rsplit(":", 1)[1])
+    for replica_port in range(port, port + args.dp_size):
+        refusal = _listen_refusal(replica_port)
         if refusal is not None:
-            where = f"{host}:{replica_port}"
-            return f"--dist-init-addr: node 0 hosts the TP group's store at {where}: {refusal}"
+            where = f"node 0 hosts a TP group's store on port {replica_port}"
+            return f"--dist-init-addr: {where}: {refusal}"
+    return None
+
+
+def _listen_refusal(port: int) -> str | None:
+    """Why no socket could listen on `port` on every address, IPv4 and IPv6, or None."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
+        every = "::"
+    except OSError:  # no IPv6 on this machine
+        sock, every = socket.socket(socket.AF_INET, socket.SOCK_STREAM), "0.0.0.0"
+    with sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((every, port))
+        except OSError as e:
+            return "in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
     return None
 
 
@@ -369,6 +386,22 @@ def _warn_if_oversubscribed(args: ServerArgs) -> None:
             processes,
             cores,
             max(1, cores // processes),
+        )
+
+
+def _warn_if_store_elsewhere(args: ServerArgs) -> None:
+    """Node 0's ranks reach their store through --dist-init-addr's host: one that is not an
+    address of this machine works only through a NAT (a container's published port, a
+    Service's address); a mistyped one leaves them waiting for the start timeout."""
+    if args.dist_init_addr is None or args.tp_size == 1 or args.node_rank > 0:
+        return
+    host = args.dist_init_addr.rsplit(":", 1)[0].strip("[]")
+    if _bind_refusal(host, 0) is not None:
+        logger.warning(
+            "--dist-init-addr %s is not an address of this machine (node 0): its ranks reach "
+            "their store there only through a NAT; if it is a mistake they wait %d s",
+            args.dist_init_addr,
+            READY_TIMEOUT_S,
         )
 
 
@@ -455,6 +488,7 @@ def serve(args: ServerArgs) -> int:
         usage_error(mistake)
     _warn_if_reachable(args)
     _warn_if_oversubscribed(args)
+    _warn_if_store_elsewhere(args)
     bound_onednn_caches()
     server = Server(args, model_path)
     logger.info("IPC directory %s", server.ipc_dir)

@@ -212,6 +212,8 @@ class IncrementalDetokenizer:
         stop_req = None
         matcher = state.stop_matcher
         found = matcher is not None and matcher.feed(new_text)
+        # A request with min_new_tokens never speculates (scheduler/speculation.py): its outputs
+        # are a token each, so the minimum ends between two of them.
         if found and out.completion_tokens > state.start.min_new_tokens:
             cut, matched = _find_stop(text, state.start.stop, len(text) - len(new_text))
             text = text[:cut]

@@ -197,7 +197,7 @@ class GenerateRequest(_Request, tag="generate"):
     session_params: None = None
     custom_logit_processor: None = None
     return_text_in_logprobs: bool = False  # only false (checked below)
-    log_metrics: bool = True  # false: /metrics and --log-requests leave it out (probes)
+    log_metrics: bool = True  # false: /metrics and --log-requests' finish lines leave it out
 
     def __post_init__(self) -> None:
         if self.return_text_in_logprobs:

@@ -173,6 +173,9 @@ def test_errors_have_openais_shape_and_status(oai, model, server):
 
 
 def test_native_endpoints(server, zmq_client):
+    # "radixserve ready" follows the manager's own: a client starting on it is never not_ready.
+    log = server.log()
+    assert log.index("The model is ready: taking requests") < log.index("radixserve ready")
     url = server.http_url
     body = {"text": "The capital of France is", "sampling_params": GREEDY}
     whole = httpx.post(f"{url}/generate", json=body).json()

@@ -308,10 +308,15 @@ def test_a_context_past_the_models_a_config_it_cannot_read_a_host_or_device_it_c
     assert "in use" not in out.stderr
     out = launch("--device", "gpu")
     assert out.returncode == 2 and "--device must be auto, cpu, cuda or cuda:N" in out.stderr
-    # Node 0 hosts each TP group's store at --dist-init-addr: an address not of this machine
-    # had its ranks wait for the start timeout (600 s).
-    out = launch("--dist-init-addr", "192.0.2.1:29500", "--tp-size", "3", "--nnodes", "3")
-    assert out.returncode == 2 and "store at 192.0.2.1:29500: Cannot assign" in out.stderr
+    # Node 0 hosts each TP group's store at --dist-init-addr's port, on every address: one in
+    # use on any of them failed after loading.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        dist = ("--dist-init-addr", f"127.0.0.1:{port - 1}", "--dp-size", "2", "--tp-size", "3")
+        out = launch(*dist, "--nnodes", "3")
+    assert out.returncode == 2 and f"store on port {port}: in use" in out.stderr
 
 
 def test_the_spellings_of_sglang_and_vllm_are_the_same_flags(capsys: pytest.CaptureFixture[str]):

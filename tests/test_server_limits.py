@@ -20,7 +20,11 @@ import zmq
 from tm_harness import Harness, receive, send, tokenizer_manager
 
 from radixserve.client.local_server import REPO_ROOT
-from radixserve.launch import _warn_if_oversubscribed, _warn_if_reachable
+from radixserve.launch import (
+    _warn_if_oversubscribed,
+    _warn_if_reachable,
+    _warn_if_store_elsewhere,
+)
 from radixserve.launch import main as launch_main
 from radixserve.process_setup import Heartbeat
 from radixserve.protocol import transport
@@ -32,7 +36,7 @@ from radixserve.protocol.internal import (
 )
 from radixserve.protocol.wire import MAX_API_KEY_CHARS, SamplingParams
 from radixserve.scheduler.process import SchedulerProcess
-from radixserve.server_args import ServerArgs
+from radixserve.server_args import ServerArgs, usable_cores
 from radixserve.tokenizer_manager.request_decoder import (
     MAX_ERROR_CHARS,
     ClientError,
@@ -111,11 +115,28 @@ def test_a_public_bind_is_warned_about(caplog, host, warns):
     assert ("any machine that reaches it" in caplog.text) == warns
 
 
-@pytest.mark.parametrize("threads, warns", [(None, False), (1, False), (64, True)])
+@pytest.mark.parametrize("threads, warns", [(None, False), (1, False), (usable_cores() + 1, True)])
 def test_more_threads_than_cores_are_warned_about(caplog, threads, warns):
     with caplog.at_level(logging.WARNING, logger="radixserve"):
         _warn_if_oversubscribed(ServerArgs(device="cpu", num_threads=threads))
     assert ("more threads than this node's" in caplog.text) == warns
+
+
+@pytest.mark.parametrize(
+    "addr, tp, warns",
+    [
+        ("127.0.0.1:29500", 2, False),
+        ("198.51.100.7:29500", 2, True),
+        ("198.51.100.7:29500", 1, False),
+    ],
+)
+def test_a_store_address_not_of_this_machine_is_warned_about(caplog, addr, tp, warns):
+    """Node 0's TP ranks meet at --dist-init-addr's host: one not of this machine works only
+    through a NAT (TEST-NET-2 here: of no machine); with one rank a replica there is no store."""
+    args = ServerArgs(dist_init_addr=addr, tp_size=tp, nnodes=2)
+    with caplog.at_level(logging.WARNING, logger="radixserve"):
+        _warn_if_store_elsewhere(args)
+    assert ("is not an address of this machine" in caplog.text) == warns
 
 
 @pytest.mark.parametrize("key", ["", "k" * (MAX_API_KEY_CHARS + 1)])
