@@ -59,8 +59,12 @@ SPECS = {"regex": REGEX, "ebnf": EBNF, "json_schema": json.dumps(SCHEMA)}
 
 @pytest.fixture(scope="module")
 def runner(tiny_served_model: Path) -> ModelRunner:
+    return float32_runner(tiny_served_model)
+
+
+def float32_runner(model: Path) -> ModelRunner:
     return ModelRunner(
-        str(tiny_served_model),
+        str(model),
         dtype=torch.float32,
         device=torch.device("cpu"),
         max_total_tokens=256,
@@ -70,7 +74,9 @@ def runner(tiny_served_model: Path) -> ModelRunner:
     )
 
 
-def make_scheduler(runner: ModelRunner, model: Path, enable_overlap: bool) -> Scheduler:
+def make_scheduler(
+    runner: ModelRunner, model: Path, enable_overlap: bool, reasoning_parser: str | None = None
+) -> Scheduler:
     config = SchedulerConfig(
         max_total_tokens=runner.max_total_tokens,
         max_running_requests=16,
@@ -81,7 +87,8 @@ def make_scheduler(runner: ModelRunner, model: Path, enable_overlap: bool) -> Sc
         check_invariants=True,
         enable_overlap=enable_overlap,
     )
-    backend = GrammarBackend(str(model), runner.model_config.vocab_size)
+    vocab = runner.model_config.vocab_size
+    backend = GrammarBackend(str(model), vocab, reasoning_parser=reasoning_parser)
     return Scheduler(config, TpModelWorker(runner), backend)
 
 
@@ -160,26 +167,8 @@ def thinking_scheduler(tiny_model, tiny_served_model: Path, parser: str | None):
     tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
     tokenizer.save_pretrained(model)
     start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
-    runner = ModelRunner(
-        str(model),
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        max_total_tokens=256,
-        mem_fraction_static=0.0,
-        tp=TPGroup(),
-        seed=0,
-    )
-    config = SchedulerConfig(
-        max_total_tokens=256,
-        max_running_requests=4,
-        max_prefill_tokens=128,
-        chunked_prefill_size=128,
-        context_len=1024,
-        eos_token_ids=frozenset({2}),
-        check_invariants=True,
-    )
-    backend = GrammarBackend(str(model), 49160, reasoning_parser=parser)
-    return Scheduler(config, TpModelWorker(runner), backend), tokenizer, start, end
+    scheduler = make_scheduler(float32_runner(model), model, False, reasoning_parser=parser)
+    return scheduler, tokenizer, start, end
 
 
 @pytest.mark.parametrize("parser", [None, "qwen3", "deepseek-r1"])
