@@ -9,6 +9,7 @@ HTTP client disconnects, the manager is told at once, and aborts what it had in 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -130,12 +131,16 @@ class Front:
         request.state.intake_ticket = ticket
         timeout = self.manager.args.http_body_timeout
         try:
-            return await asyncio.wait_for(self._read_body(request, ticket), timeout)
+            body = await asyncio.wait_for(self._read_body(request, ticket), timeout)
         except asyncio.TimeoutError:
             message = f"the body did not arrive within {timeout:g} s (--http-body-timeout)"
             raise HttpError("request_timeout", message) from None
         except ClientDisconnect:  # nobody reads the answer: not worth a traceback in the log
             raise HttpError("invalid_request", "the client left before its body ended") from None
+        # Its clock starts here, whole, as vLLM's and SGLang's do: the OpenAI API's tokenizing,
+        # before its generates are submitted, counts in its TTFT and latency.
+        request.state.arrived = time.monotonic()
+        return body
 
     async def _read_body(self, request: Request, ticket: Ticket) -> bytes:
         chunks, size = [], 0
@@ -184,8 +189,9 @@ class Front:
         # The generates take their own places as they are admitted (nothing awaits in between).
         self.release_body(request)
         try:
+            arrived = getattr(request.state, "arrived", None)  # none for /health_generate's
             for generate in generates:
-                await self.manager.submit([client.peer], generate)
+                await self.manager.submit([client.peer], generate, arrived)
             unfinished = sum(g.sampling_params.n for g in generates)
             while unfinished:
                 reply = await client.get()

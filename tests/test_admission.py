@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import time
 
 import msgspec
 import pytest
@@ -18,6 +19,7 @@ from radixserve.protocol.internal import (
     ProcessReady,
     TokenizedGenerateReq,
 )
+from radixserve.protocol.wire import GenerateRequest
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager.intake import Intake
 from radixserve.tokenizer_manager.process import report_when_ready
@@ -57,6 +59,23 @@ def test_the_manager_tells_the_launcher_it_is_ready_only_once_the_model_is(tiny_
             await asyncio.wait_for(reporting, 5)
             report = msgspec.msgpack.decode(reader.recv_bytes(), type=LauncherInput)
             assert report == ProcessReady("tokenizer_manager")
+
+    asyncio.run(scenario())
+
+
+def test_a_request_is_timed_from_when_it_came_whole(tiny_served_model):
+    """The HTTP front submits the OpenAI API's requests after tokenizing them: their clock
+    (TTFT, latency, --log-requests' e2e) starts when each came whole, as vLLM's and SGLang's."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model) as h:
+            client = h.manager.open_local_client()
+            arrived = time.monotonic() - 2.0
+            request = GenerateRequest(rid="timed", input_ids=[1, 2, 3])
+            await h.manager.submit([client.peer], request, arrived)
+            assert isinstance(await h.to_scheduler(), TokenizedGenerateReq)
+            (registered,) = h.manager.inflight.of_peer(client.peer)
+            assert registered.created == arrived
 
     asyncio.run(scenario())
 

@@ -42,7 +42,7 @@ class Admission:
         self.accepting = True  # until shutdown
         self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
 
-    def admit(self, envelope: Envelope, req: GenerateRequest) -> None:
+    def admit(self, envelope: Envelope, req: GenerateRequest, arrived: float | None = None) -> None:
         """Register the request now, so that its client's next message (an abort) finds it;
         tokenize and send it in a task. ClientError when it is refused at once."""
         rid = req.rid or uuid.uuid4().hex
@@ -62,7 +62,7 @@ class Admission:
                 raise ClientError("invalid_request", str(e), rid) from None
         ticket = self.intake.take(self.replies.client_of(envelope[0]), held_bytes(req), rid)
         n = req.sampling_params.n
-        request = self.inflight.open(envelope, rid, req.stream, n, req.log_metrics)
+        request = self.inflight.open(envelope, rid, req.stream, n, req.log_metrics, arrived)
         if request is None:
             ticket.release()
             raise ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)

@@ -100,14 +100,23 @@ class InFlight:
         return list(self.by_peer.get(peer, {}).values())
 
     def open(
-        self, envelope: Envelope, rid: str, stream: bool, n: int, counted: bool = True
+        self,
+        envelope: Envelope,
+        rid: str,
+        stream: bool,
+        n: int,
+        counted: bool = True,
+        created: float | None = None,
     ) -> InFlightRequest | None:
-        """A new client request with n fresh ids; None if the client has `rid` in flight."""
+        """A new client request with n fresh ids; None if the client has `rid` in flight.
+        `created`: when it arrived, if not now."""
         requests = self.by_peer.setdefault(envelope[0], {})
         if rid in requests:
             return None
         ids = [f"{next(self._next_id):x}" for _ in range(n)]
         request = InFlightRequest(envelope, rid, stream, ids, open=n, counted=counted)
+        if created is not None:
+            request.created = created
         requests[rid] = request
         return request
 

@@ -152,18 +152,21 @@ class TokenizerManager:
                 continue
             await self.submit(envelope, req)
 
-    async def submit(self, envelope: Envelope, req: Any) -> None:
+    async def submit(self, envelope: Envelope, req: Any, arrived: float | None = None) -> None:
         """A decoded, authorized request, from either front door: its answers, or one error,
-        go to `envelope`. A generate is only registered by the time this returns."""
-        work = self.handle_request(envelope, req)
+        go to `envelope`. A generate is only registered by the time this returns; `arrived`: when
+        it came whole (time.monotonic()), where that was before now."""
+        work = self.handle_request(envelope, req, arrived)
         await self.replies.answer_errors(envelope, work, getattr(req, "rid", None))
 
-    async def handle_request(self, envelope: Envelope, req: Any) -> None:
+    async def handle_request(
+        self, envelope: Envelope, req: Any, arrived: float | None = None
+    ) -> None:
         if not isinstance(req, AbortRequest):
             self.check_ready(getattr(req, "rid", None))
         match req:
             case GenerateRequest():
-                self.admission.admit(envelope, req)
+                self.admission.admit(envelope, req, arrived)
             case AbortRequest(rid=rid):
                 request = self.inflight.find(envelope[0], rid)
                 if request is None:
