@@ -70,11 +70,6 @@ logger = logging.getLogger("radixserve.tokenizer_manager")
 # gets `overloaded`: a scheduler in a long step answers late, and a health check must not hang.
 QUERY_TIMEOUT_S = 5.0
 ROUTER_RCVHWM = 8
-# Replies libzmq queues for one client before a send finds its queue full and the outbox takes
-# over, counting their bytes against --max-reply-backlog-bytes. Its default, 1,000 of any size,
-# let a client that stopped reading pin them past every byte bound. 128: two steps of 64
-# streams to one client, so that one that reads never waits for the outbox's retry.
-ROUTER_SNDHWM = 128
 
 
 class TokenizerManager:
@@ -95,7 +90,6 @@ class TokenizerManager:
         # pushes back): its default, 1,000 of up to --max-request-bytes each, is unbounded in
         # practice; what is read goes through the intake's caps.
         self.router.setsockopt(zmq.RCVHWM, ROUTER_RCVHWM)
-        self.router.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
         address = transport.tcp_address(args.host, args.port)
         transport.allow_ipv6(self.router, address)
         self.router.bind(address)
