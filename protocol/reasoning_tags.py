@@ -32,15 +32,13 @@ def think_tags(tokenizer: PreTrainedTokenizerBase) -> ThinkTags | None:
 
 
 def starts_thinking(parser: str, prompt_ids: Sequence[int], tags: ThinkTags | None) -> bool:
-    """Whether the output begins inside the thinking. qwen3: no, its output opens the thinking
-    itself with `<think>`. deepseek-r1: yes, its template opens it in the prompt; unless the
-    prompt closed it again (a template with the thinking turned off writes both tags), which
-    only the tags' ids can show."""
-    if parser != "deepseek-r1":
-        return False
-    if tags is None:
-        return True
-    for token in reversed(prompt_ids):
-        if token in (tags.start, tags.end):  # the last tag decides
-            return token == tags.start
-    return True
+    """Whether the output begins inside the thinking: the prompt's last tag decides, where the
+    tags' ids show it. A template that opens the thinking writes `<think>` last (DeepSeek-R1's,
+    Qwen3's Thinking-2507); one with the thinking turned off writes both. With no tag in the
+    prompt, as the parser's template does: deepseek-r1 thinks first, qwen3's output opens the
+    thinking itself with `<think>`. (A tag the user typed counts too: ids cannot tell.)"""
+    if tags is not None:
+        for token in reversed(prompt_ids):
+            if token in (tags.start, tags.end):
+                return token == tags.start
+    return parser == "deepseek-r1"

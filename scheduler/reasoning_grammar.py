@@ -3,10 +3,11 @@ and vLLM apply one: the thinking between `<think>` and `</think>` is free text, 
 after it follows the grammar.
 
 Where the thinking is follows the reasoning parser (protocol/reasoning_tags.py decides for both),
-so that the part the grammar shapes is the part a chat reply gives as its content. qwen3: the
-output thinks only if it opens with `<think>`, so the first token may be that or what the grammar
-allows. deepseek-r1: its template opens the thinking in the prompt, so the output thinks from its
-first token until `</think>`, unless the prompt closed the thinking already.
+so that the part the grammar shapes is the part a chat reply gives as its content. A prompt whose
+last tag is `<think>` (DeepSeek-R1's template, Qwen3's Thinking-2507) has the output think from
+its first token until `</think>`; one whose last tag is `</think>` (the thinking turned off) has
+none to wait for. With no tag in the prompt, deepseek-r1 thinks first, and with qwen3 the output
+may open with `<think>`: its first token may be that or what the grammar allows.
 """
 
 from __future__ import annotations

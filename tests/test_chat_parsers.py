@@ -176,3 +176,16 @@ def test_llama3_two_calls_and_plain_text():
     # Plain text streams at once, not held to the end.
     parser = tool_call_parser("llama3")
     assert parser.feed("Paris").content == "Paris"
+
+
+def test_the_prompts_last_tag_says_where_the_output_starts() -> None:
+    """One rule for the scheduler's grammar and the chat split: the prompt's last tag, where the
+    tags are one token each; else (and with no tag in the prompt) as the parser's template."""
+    from radixserve.protocol.reasoning_tags import ThinkTags, starts_thinking
+
+    tags = ThinkTags(start=7, end=8)
+    for parser, untagged in (("qwen3", False), ("deepseek-r1", True)):
+        assert starts_thinking(parser, [1, 2, 3], tags) is untagged
+        assert starts_thinking(parser, [1, 7, 4, 8, 5], None) is untagged
+        assert starts_thinking(parser, [1, 8, 2, 7, 4], tags) is True  # the template opened it
+        assert starts_thinking(parser, [1, 7, 2, 8, 4], tags) is False  # it closed it again

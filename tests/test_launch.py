@@ -309,9 +309,9 @@ def test_a_context_past_the_models_a_config_it_cannot_read_a_host_or_device_it_c
     out = launch("--device", "gpu")
     assert out.returncode == 2 and "--device must be auto, cpu, cuda or cuda:N" in out.stderr
     # Node 0 hosts each TP group's store at --dist-init-addr's port, on every address: one in
-    # use on any of them failed after loading.
+    # use on any of them (here on another address than the host's) failed after loading.
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.2", 0))
         taken.listen()
         port = taken.getsockname()[1]
         dist = ("--dist-init-addr", f"127.0.0.1:{port - 1}", "--dp-size", "2", "--tp-size", "3")
