@@ -62,7 +62,9 @@ class Admission:
                 raise ClientError("invalid_request", str(e), rid) from None
         ticket = self.intake.take(self.replies.client_of(envelope[0]), held_bytes(req), rid)
         n = req.sampling_params.n
-        request = self.inflight.open(envelope, rid, req.stream, n, req.log_metrics, arrived)
+        request = self.inflight.open(
+            envelope, rid, req.stream, n, counted=req.log_metrics, created=arrived
+        )
         if request is None:
             ticket.release()
             raise ClientError("invalid_request", f"rid {rid!r} is already in flight", rid)

@@ -114,9 +114,8 @@ class InFlight:
         if rid in requests:
             return None
         ids = [f"{next(self._next_id):x}" for _ in range(n)]
-        request = InFlightRequest(envelope, rid, stream, ids, open=n, counted=counted)
-        if created is not None:
-            request.created = created
+        now = time.monotonic() if created is None else created
+        request = InFlightRequest(envelope, rid, stream, ids, open=n, created=now, counted=counted)
         requests[rid] = request
         return request
 
