@@ -14,6 +14,7 @@ code N)".
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import importlib
@@ -241,6 +242,17 @@ def _run_child(module: str, function: str, *args: Any) -> None:
             reason = f"{type(e).__name__}: {e}{hint}"
             ready_writer.send_bytes(msgspec.msgpack.encode(ProcessFailed(name, reason)))
         sys.exit(1)
+    _exit_unfinalized()
+
+
+def _exit_unfinalized() -> None:
+    """A child whose work is done (the tokenizer manager after its drain) exits at once: tearing
+    down an interpreter that holds torch and transformers costs ~1 s of CPU, and every stop
+    waits for it. What atexit holds still runs, and the output is flushed."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def local_placements(args: ServerArgs) -> list[RankPlacement]:
