@@ -60,9 +60,7 @@ def has_reported_ready() -> bool:
     return _ready
 
 
-def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1) -> None:
-    """torch_threads: the model process takes all cores by default; the others take one, so
-    that they never spin OpenMP threads against the model on a small machine."""
+def configure_process(name: str, args: ServerArgs) -> None:
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"[%(asctime)s {name}] %(message)s",
@@ -80,11 +78,16 @@ def configure_process(name: str, args: ServerArgs, torch_threads: int | None = 1
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: launch.py drains
     # Blocked by launch.py while it started us.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGHUP})
-    # Every process imports torch (transformers does); its default pool would compete for the
-    # cores with the model.
+
+
+def take_torch_threads(threads: int | None) -> None:
+    """For a process that imports torch: the model process takes all cores (None) or its share;
+    the tokenizer manager (transformers imports torch) takes one, so that it never spins OpenMP
+    threads against the model on a small machine. The detokenizer and the DP controller never
+    import torch."""
     import torch
 
-    torch.set_num_threads(torch_threads or usable_cores())
+    torch.set_num_threads(threads or usable_cores())
 
 
 # oneDNN (the CPU linears on reordered weights, packed_linear.py) keeps a compiled primitive, and

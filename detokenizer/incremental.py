@@ -9,11 +9,12 @@ the difference of the two decodes, held back while it ends in half a character.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import msgspec
 
 from radixserve.detokenizer.stop_matcher import StopMatcher
+from radixserve.detokenizer.tokenizer_handoff import Decoder
 from radixserve.protocol.internal import ReqStart, ReqStrOut, ReqTokenOut, StopReq
 from radixserve.protocol.wire import FinishReason
 
@@ -21,17 +22,6 @@ from radixserve.protocol.wire import FinishReason
 REPLACEMENT_CHAR = "\ufffd"
 
 T = TypeVar("T")
-
-
-class BatchDecoder(Protocol):
-    """The part of a Hugging Face tokenizer the detokenizer uses."""
-
-    def batch_decode(
-        self,
-        sequences: list[list[int]],
-        skip_special_tokens: bool = False,
-        clean_up_tokenization_spaces: bool | None = None,
-    ) -> list[str]: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,8 +80,8 @@ class IncrementalDetokenizer:
     finished by that stop string. What the scheduler sent in between is dropped.
     """
 
-    def __init__(self, tokenizer: BatchDecoder):
-        self.tokenizer = tokenizer
+    def __init__(self, decoder: Decoder):
+        self.decoder = decoder
         self.states: dict[str, DecodeState] = {}
 
     def __len__(self) -> int:
@@ -190,11 +180,7 @@ class IncrementalDetokenizer:
         return texts
 
     def _batch_decode(self, sequences: list[list[int]], skip: bool) -> list[str]:
-        # Clean-up rewrites spaces around punctuation across chunk borders, so a streamed text
-        # would no longer equal the same ids decoded at once.
-        return self.tokenizer.batch_decode(
-            sequences, skip_special_tokens=skip, clean_up_tokenization_spaces=False
-        )
+        return self.decoder.decode_batch(sequences, skip_special_tokens=skip)
 
     def _emit(
         self, out: ReqTokenOut, state: DecodeState, new_text: str

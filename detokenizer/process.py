@@ -7,7 +7,8 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from radixserve.detokenizer.incremental import BatchDecoder, IncrementalDetokenizer
+from radixserve.detokenizer.incremental import IncrementalDetokenizer
+from radixserve.detokenizer.tokenizer_handoff import take_over
 from radixserve.process_setup import (
     HEARTBEAT_INTERVAL_S,
     Heartbeat,
@@ -29,7 +30,7 @@ def run_detokenizer_process(
     heartbeat: Heartbeat,
 ) -> None:
     configure_process("detokenizer", server_args)
-    detokenizer = IncrementalDetokenizer(_load_tokenizer(model_path))
+    detokenizer = IncrementalDetokenizer(take_over(ipc_dir, model_path, heartbeat.beat))
     ctx = zmq.Context(io_threads=1)
     recv_sock = transport.bind_pull(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
     send_sock = transport.connect_push(ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT)
@@ -49,10 +50,3 @@ def run_detokenizer_process(
         for stop in stops:
             to_scheduler.send(codec.encode(stop))
         send_sock.send(codec.encode(BatchStrOut(outs=strs)))
-
-
-def _load_tokenizer(model_path: str) -> BatchDecoder:
-    # Imported here, in the child: launch.py imports this module only to name the entry point.
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)

@@ -17,6 +17,7 @@ from radixserve.process_setup import (
     keep_freed_memory,
     release_freed_memory,
     report_ready,
+    take_torch_threads,
 )
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
@@ -172,7 +173,8 @@ def run_scheduler_process(
     heartbeat: Heartbeat,
     placement: RankPlacement,
 ) -> None:
-    configure_process(placement.process_name, args, torch_threads=args.threads_per_model_process)
+    configure_process(placement.process_name, args)
+    take_torch_threads(args.threads_per_model_process)
     keep_freed_memory()
     proc = SchedulerProcess(args, model_path, ipc_dir, heartbeat, placement)
     report_ready(ready_writer, placement.process_name)
@@ -190,7 +192,8 @@ def run_tp_follower(
 ) -> None:
     """TP rank 1 and up: no sockets, no scheduler; rank 0's batches, run as they come."""
     name = placement.process_name
-    configure_process(name, args, torch_threads=args.threads_per_model_process)
+    configure_process(name, args)
+    take_torch_threads(args.threads_per_model_process)
     keep_freed_memory()
     runner = build_model_runner(args, model_path, placement)
     report_ready(ready_writer, name)

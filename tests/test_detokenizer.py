@@ -9,6 +9,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from radixserve.detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
 from radixserve.detokenizer.process import run_detokenizer_process
+from radixserve.detokenizer.tokenizer_handoff import decoder_for, hand_over
 from radixserve.model_worker.model_source import default_model_dir
 from radixserve.process_setup import Heartbeat
 from radixserve.protocol import transport
@@ -109,7 +111,7 @@ def test_texts_split_inside_characters(tokenizer):
 @pytest.mark.parametrize("text", TEXTS)
 def test_one_token_at_a_time_never_emits_half_a_character(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     pieces = stream(detok, "r", [[i] for i in ids])
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
     assert "".join(pieces) == tokenizer.decode(ids) == text
@@ -123,7 +125,9 @@ def test_one_token_at_a_time_never_emits_half_a_character(tokenizer, text):
 )
 def test_any_chunking_gives_the_same_text(tokenizer, text_index, sizes):
     ids = tokenizer.encode(TEXTS[text_index], add_special_tokens=False)
-    pieces = stream(IncrementalDetokenizer(tokenizer), "r", chunks(ids, iter(sizes * len(ids))))
+    pieces = stream(
+        IncrementalDetokenizer(decoder_for(tokenizer)), "r", chunks(ids, iter(sizes * len(ids)))
+    )
     assert not any(REPLACEMENT_CHAR in piece for piece in pieces)
     assert "".join(pieces) == tokenizer.decode(ids)
 
@@ -134,7 +138,7 @@ def test_random_unicode_streams_to_the_whole_decode(tokenizer, text, seed):
     ids = tokenizer.encode(text, add_special_tokens=False)
     rng = random.Random(seed)
     sizes = iter(lambda: rng.randint(1, 4), None)
-    pieces = stream(IncrementalDetokenizer(tokenizer), "r", chunks(ids, sizes))
+    pieces = stream(IncrementalDetokenizer(decoder_for(tokenizer)), "r", chunks(ids, sizes))
     # Special tokens are skipped, as the stream does: a tokenizer without byte fallback (the
     # GGUF conversion of older transformers) encodes some characters as <|endoftext|>, its unk.
     assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
@@ -150,7 +154,7 @@ def test_leading_spaces_come_from_the_previous_token():
     backend.decoder = decoders.Metaspace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
     assert tokenizer.decode([2]) == "world"
-    pieces = stream(IncrementalDetokenizer(tokenizer), "r", [[1], [2], [3], [2]])
+    pieces = stream(IncrementalDetokenizer(decoder_for(tokenizer)), "r", [[1], [2], [3], [2]])
     assert pieces == ["Hello", " world", "!", " world"]
 
 
@@ -166,9 +170,11 @@ def test_the_first_token_keeps_its_space_after_the_prompt():
     backend.decoder = decoders.Metaspace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
     prompt = (1, 2, 3)
-    streamed = stream(IncrementalDetokenizer(tokenizer), "r", [[4], [5]], context=prompt)
+    streamed = stream(
+        IncrementalDetokenizer(decoder_for(tokenizer)), "r", [[4], [5]], context=prompt
+    )
     assert streamed == [" Paris", "."]
-    (whole,), _ = IncrementalDetokenizer(tokenizer).step(
+    (whole,), _ = IncrementalDetokenizer(decoder_for(tokenizer)).step(
         [token_out("w", [4, 5], LENGTH, context=prompt)]
     )
     assert whole.text == " Paris." and whole.new_token_ids == [4, 5]
@@ -187,7 +193,9 @@ def test_a_prompt_ending_inside_a_character_cuts_no_text():
     backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
     assert tokenizer.decode([1, 2, 3, 4, 5]) == "a€ is"
-    pieces = stream(IncrementalDetokenizer(tokenizer), "r", [[4], [5]], context=(1, 2, 3))
+    pieces = stream(
+        IncrementalDetokenizer(decoder_for(tokenizer)), "r", [[4], [5]], context=(1, 2, 3)
+    )
     assert "".join(pieces) == tokenizer.decode([4, 5]) == "\ufffd is"
 
 
@@ -198,13 +206,15 @@ def test_a_byte_level_output_is_the_same_after_the_prompt(tokenizer):
     ids = tokenizer.encode(TEXTS[1], add_special_tokens=False)
     inside = next(k for k in range(1, len(prompt)) if tokenizer.decode(prompt[:k])[-1] == "\ufffd")
     for context in (prompt[-5:], prompt[-1:], prompt[:inside][-5:]):
-        pieces = stream(IncrementalDetokenizer(tokenizer), "r", [[i] for i in ids], context=context)
+        pieces = stream(
+            IncrementalDetokenizer(decoder_for(tokenizer)), "r", [[i] for i in ids], context=context
+        )
         assert "".join(pieces) == tokenizer.decode(ids)
 
 
 def test_all_at_once_equals_one_at_a_time(tokenizer):
     ids = tokenizer.encode(TEXTS[1], add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     (whole,), _ = detok.step([token_out("r", ids, LENGTH)])
     assert whole.text == "".join(stream(detok, "s", [[i] for i in ids]))
 
@@ -212,9 +222,9 @@ def test_all_at_once_equals_one_at_a_time(tokenizer):
 def test_skip_special_tokens(tokenizer):
     ids = tokenizer.encode("<|im_start|>assistant\nHi 🎉<|im_end|>", add_special_tokens=False)
     assert tokenizer.eos_token_id in ids
-    shown = "".join(stream(IncrementalDetokenizer(tokenizer), "r", [[i] for i in ids]))
+    shown = "".join(stream(IncrementalDetokenizer(decoder_for(tokenizer)), "r", [[i] for i in ids]))
     assert shown == "assistant\nHi 🎉"
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     raw = stream(detok, "r", [[i] for i in ids], skip_special_tokens=False)
     assert "".join(raw) == "<|im_start|>assistant\nHi 🎉<|im_end|>"
 
@@ -223,7 +233,7 @@ def test_interleaved_requests_in_one_batch(tokenizer):
     ids = {f"r{k}": tokenizer.encode(t, add_special_tokens=False) for k, t in enumerate(TEXTS)}
     sent = dict.fromkeys(ids, 0)
     texts = dict.fromkeys(ids, "")
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     rng = random.Random(0)
     while sent:
         batch = []
@@ -246,7 +256,7 @@ def test_interleaved_requests_in_one_batch(tokenizer):
 
 def test_finish_flushes_half_a_character(tokenizer):
     ids = tokenizer.encode("ok 🎉", add_special_tokens=False)[:-1]  # cut inside the emoji
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     pieces = stream(detok, "r", [[i] for i in ids])
     assert "".join(pieces) == tokenizer.decode(ids)
     assert pieces[-1].endswith(REPLACEMENT_CHAR)
@@ -254,7 +264,7 @@ def test_finish_flushes_half_a_character(tokenizer):
 
 
 def test_counters_and_reason_pass_through(tokenizer):
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     reason = FinishReason(type="abort")
     (out,), _ = detok.step([token_out("r", [], reason)])
     assert out == ReqStrOut("r", "", [], reason, 3, 0, 0)
@@ -264,7 +274,7 @@ def test_counters_and_reason_pass_through(tokenizer):
 def test_a_request_is_kept_from_its_first_output_to_its_final(tokenizer):
     """What the first output brings (counters, stop strings) serves every later output, and
     goes with the final; an output outside that span is a bug between our processes: it raises."""
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     ids = tokenizer.encode("one two three", add_special_tokens=False)
     detok.step([token_out("r", ids[:1], stop=(" three",))])
     assert len(detok) == 1
@@ -280,7 +290,7 @@ def test_a_request_is_kept_from_its_first_output_to_its_final(tokenizer):
 
 def test_stop_string_is_trimmed_and_the_scheduler_ends_the_request(tokenizer):
     ids = tokenizer.encode("Answer: 42.\n\nNext line", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     # All at once: the text stops where the stop string starts, and the scheduler is asked to
     # end the request; until it has, the request is not finished.
     # The tokens after the one that completes the stop string are not the request's (as vLLM
@@ -308,7 +318,7 @@ def test_a_stop_string_in_held_text_ends_at_the_first_new_token(tokenizer):
     first = tokenizer.encode("Answer: 42.\n", add_special_tokens=False)
     rest = tokenizer.encode("\nNext line", add_special_tokens=False)
     assert len(rest) > 1 and tokenizer.decode(rest[:1]) == "\n"
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     (out,), stops = detok.step([token_out("r", first, stop=("\n\n",))])
     assert out.text == "Answer: 42." and not stops  # the "\n" may begin the stop string
     more = ReqTokenOut("r", rest, None, len(first) + len(rest))
@@ -321,7 +331,7 @@ def test_a_stop_string_in_held_text_ends_at_the_first_new_token(tokenizer):
 def test_stop_string_split_across_streamed_chunks(tokenizer, stop_str):
     text = "Answer: 42.\n\nNext line and more"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     sent, stops = [], []
     for k, i in enumerate(ids):  # one token a step: every stop string here spans several steps
         (out,), stops = detok.step([token_out("s", [i], stop=(stop_str, "never"), first=k == 0)])
@@ -346,7 +356,7 @@ def test_overlapping_stop_strings_end_alike_at_any_output_size(tokenizer):
     stop = ("\n\nHuman:", "Human")
     results = []
     for sizes in ([1] * len(ids), [len(ids)]):
-        detok = IncrementalDetokenizer(tokenizer)
+        detok = IncrementalDetokenizer(decoder_for(tokenizer))
         texts, kept, stops = [], [], []
         for k, piece in enumerate(chunks(ids, iter(sizes))):
             (out,), stops = detok.step([token_out("r", piece, stop=stop, first=k == 0)])
@@ -363,7 +373,7 @@ def stream_under_min_tokens(tokenizer, text: str, stop: tuple[str, ...], min_new
     """`text`'s tokens one a step to a request with min_new_tokens; what was sent, and the
     stop that matched (None if none did)."""
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     start = ReqStart(3, 0, True, list(stop), [], min_new_tokens=min_new)
     sent = []
     for k, i in enumerate(ids, 1):
@@ -396,7 +406,7 @@ def test_a_stop_string_ends_the_output_only_past_min_new_tokens(tokenizer):
 
 def test_stop_string_in_the_final_output_ends_it_at_once(tokenizer):
     ids = tokenizer.encode("one two three", add_special_tokens=False)
-    (out,), stops = IncrementalDetokenizer(tokenizer).step(
+    (out,), stops = IncrementalDetokenizer(decoder_for(tokenizer)).step(
         [token_out("r", ids, LENGTH, stop=(" two",))]
     )
     assert out.text == "one" and out.finished_reason == FinishReason("stop", " two")
@@ -405,7 +415,7 @@ def test_stop_string_in_the_final_output_ends_it_at_once(tokenizer):
 
 def test_held_back_text_goes_out_when_no_stop_follows(tokenizer):
     ids = tokenizer.encode("a b c d", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     outs = [token_out("r", [i], stop=("c d e",), first=k == 0) for k, i in enumerate(ids)]
     pieces = [detok.step([out])[0][0].text for out in outs]
     (last,), stops = detok.step([token_out("r", [], LENGTH, first=False)])
@@ -414,7 +424,7 @@ def test_held_back_text_goes_out_when_no_stop_follows(tokenizer):
 
 def test_matched_stop_token_is_not_shown(tokenizer):
     ids = tokenizer.encode("Hi there.", add_special_tokens=False)
-    (out,), _ = IncrementalDetokenizer(tokenizer).step(
+    (out,), _ = IncrementalDetokenizer(decoder_for(tokenizer)).step(
         [token_out("r", ids, FinishReason(type="stop", matched=ids[-1]))]
     )
     assert out.text == "Hi there"
@@ -435,9 +445,13 @@ def test_detokenizer_process_over_ipc(model_dir, tokenizer):
         results = transport.bind_pull(ctx, ipc_dir, transport.TOKENIZER_MANAGER_INPUT)
         proc.start()
         writer.close()
+        assert not reader.poll(1), "ready before the tokenizer manager handed its tokenizer over"
+        hand_over(tokenizer, ipc_dir)  # as the tokenizer manager does once its own is loaded
         assert reader.poll(60), "the detokenizer never reported ready"
         ready = msgspec.msgpack.decode(reader.recv_bytes(), type=ProcessReady)
         assert ready.name == "detokenizer"
+        libraries = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in libraries, "the detokenizer loaded torch (and transformers)"
 
         codec = transport.Codec(BatchStrOut)
         push = transport.connect_push(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
@@ -474,8 +488,10 @@ def test_two_outputs_of_one_request_in_one_step_are_decoded_in_turn(tokenizer):
     """A speculating step can follow the step in flight within one scheduler step: both
     outputs of a request then reach the detokenizer together."""
     ids = tokenizer("fixtures fixtures and a caf\u00e9 by the sea").input_ids
-    apart = stream(IncrementalDetokenizer(tokenizer), "r", [ids[:3], ids[3:5], ids[5:]])
-    detok = IncrementalDetokenizer(tokenizer)
+    apart = stream(
+        IncrementalDetokenizer(decoder_for(tokenizer)), "r", [ids[:3], ids[3:5], ids[5:]]
+    )
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     (first,), _ = detok.step([token_out("r", ids[:3])])
     together, _ = detok.step(
         [token_out("r", ids[3:5], first=False), token_out("r", ids[5:], LENGTH, first=False)]

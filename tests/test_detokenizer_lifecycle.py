@@ -13,6 +13,7 @@ from fake_worker import reference_tokens
 from test_scheduler import gen, make_scheduler, prompt
 
 from radixserve.detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
+from radixserve.detokenizer.tokenizer_handoff import decoder_for
 from radixserve.model_worker.model_source import default_model_dir
 from radixserve.protocol import transport
 from radixserve.protocol.internal import BatchTokenOut, ReqTokenOut, TokenizedGenerateReq
@@ -87,7 +88,7 @@ def test_every_path_that_ends_a_request_frees_the_detokenizer_state(tokenizer):
     aborted: dict[str, str] = {}
 
     codec = transport.Codec(BatchTokenOut)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(decoder_for(tokenizer))
     outs: dict[str, list[ReqTokenOut]] = {}
     finals: dict[str, list[FinishReason]] = {}
     for step in range(2_000):

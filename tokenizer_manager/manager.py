@@ -20,6 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from radixserve.detokenizer.tokenizer_handoff import hand_over
 from radixserve.model_worker.model_config import ModelConfig
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
@@ -80,6 +81,7 @@ class TokenizerManager:
         # scheduler, which owns the context length, checks the token count.
         self.context_len = args.context_length or model_config.max_position_embeddings
         self.tokenization = Tokenization(model_path, model_config.vocab_size, self.context_len)
+        hand_over(self.tokenization.loaded, ipc_dir)  # the detokenizer waits for it
         self.sampling_defaults = load_sampling_defaults(model_path, args.sampling_defaults)
         self.ctx = zmq.asyncio.Context()
         self.router = self.ctx.socket(zmq.ROUTER)

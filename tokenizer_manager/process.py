@@ -14,6 +14,7 @@ from radixserve.process_setup import (
     Heartbeat,
     configure_process,
     report_ready,
+    take_torch_threads,
 )
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager.manager import TokenizerManager
@@ -77,6 +78,7 @@ def run_tokenizer_manager_process(
     heartbeat: Heartbeat,
 ) -> None:
     configure_process("tokenizer_manager", args)
+    take_torch_threads(1)
     manager = TokenizerManager(args, model_path, ipc_dir)
     http = HttpServer(manager, bind(args.host, args.http_port)) if args.http_port else None
     uvloop.run(_serve(manager, http, ready_writer, heartbeat))

@@ -58,6 +58,7 @@ class Tokenization:
                 f"{model_path} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json): "
                 "every prompt would be no tokens"
             )
+        self.loaded = tokenizer  # the short lane's: called from its thread once serving
         self._short = _Lane(model_path, "short", tokenizer)
         self._long = _Lane(model_path, "long", None)
         self.vocab_size = vocab_size
