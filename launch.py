@@ -250,8 +250,9 @@ def _exit_unfinalized() -> None:
     down an interpreter that holds torch and transformers costs ~1 s of CPU, and every stop
     waits for it. What atexit holds still runs, and the output is flushed."""
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # None, or closed
+            stream.flush()
     os._exit(0)
 
 

@@ -1,6 +1,6 @@
-"""What every server process does first: logging, torch threads, dying with its parent, and (the
-model process) keeping freed memory for its next forward. And the heartbeat each one's main loop
-gives launch.py's watchdog."""
+"""What every server process does first: logging, dying with its parent, torch's threads where
+it uses torch, and (the model process) keeping freed memory for its next forward. And the
+heartbeat each one's main loop gives launch.py's watchdog."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def configure_process(name: str, args: ServerArgs) -> None:
 def take_torch_threads(threads: int | None) -> None:
     """For a process that imports torch: the model process takes all cores (None) or its share;
     the tokenizer manager (transformers imports torch) takes one, so that it never spins OpenMP
-    threads against the model on a small machine. The detokenizer and the DP controller never
-    import torch."""
+    threads against the model on a small machine. The DP controller never imports torch, nor
+    does the detokenizer for a fast tokenizer (detokenizer/tokenizer_handoff.py)."""
     import torch
 
     torch.set_num_threads(threads or usable_cores())

@@ -169,7 +169,7 @@ class IncrementalDetokenizer:
 
     def _decode_new_texts(self, outs: list[ReqTokenOut], states: list[DecodeState]) -> list[str]:
         texts = [""] * len(outs)
-        # batch_decode takes one skip_special_tokens for the whole call; batches rarely mix them.
+        # decode_batch takes one skip_special_tokens for the whole call; batches rarely mix them.
         for skip in {state.start.skip_special_tokens for state in states}:
             rows = [i for i, state in enumerate(states) if state.start.skip_special_tokens == skip]
             windows = [states[i].windows(_text_end(outs[i], states[i])) for i in rows]

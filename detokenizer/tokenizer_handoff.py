@@ -6,7 +6,8 @@ tokenizer manager loads one anyway. Where transformers decodes with the Rust tok
 fast tokenizer whose class overrides no decode step), the manager writes that Rust tokenizer, as
 transformers built it (its added tokens and their special flags included), into the private IPC
 directory, and the detokenizer decodes with the `tokenizers` package: the same text, without
-torch or transformers in the process. Any other tokenizer is loaded through transformers there.
+torch or transformers in the process. Any other tokenizer (a slow one, or one that cannot be
+written as JSON) is loaded through transformers there, as before.
 """
 
 from __future__ import annotations
@@ -28,9 +29,21 @@ DECODE_STEPS = ("batch_decode", "decode", "_decode")
 
 
 class Decoder(Protocol):
-    """What the detokenizer asks of a tokenizer (a `tokenizers.Tokenizer` has it)."""
+    """What the detokenizer asks of a tokenizer."""
 
     def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool) -> list[str]: ...
+
+
+class RustDecoder:
+    """A `tokenizers.Tokenizer`, one sequence at a time on this thread: its decode_batch hands
+    the sequences to rayon's pool, whose threads would take the cores from the model's."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        decode = self._tokenizer.decode
+        return [decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
 
 
 class TransformersDecoder:
@@ -50,7 +63,7 @@ class TransformersDecoder:
 def decoder_for(tokenizer: PreTrainedTokenizerBase) -> Decoder:
     """What decodes as `tokenizer` does: its Rust tokenizer where that is all it decodes with."""
     rust = rust_tokenizer(tokenizer)
-    return TransformersDecoder(tokenizer) if rust is None else rust
+    return TransformersDecoder(tokenizer) if rust is None else RustDecoder(rust)
 
 
 def rust_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
@@ -67,9 +80,13 @@ def rust_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
 def hand_over(tokenizer: PreTrainedTokenizerBase, ipc_dir: str) -> None:
     """In the tokenizer manager, once its tokenizer is loaded."""
     rust = rust_tokenizer(tokenizer)
+    try:
+        text = "" if rust is None else rust.to_str()
+    except Exception:  # a part written in Python (a custom pre-tokenizer) has no JSON
+        text = ""
     path = Path(ipc_dir) / HANDOFF_FILE
     partial = path.with_name(path.name + ".partial")
-    partial.write_text("" if rust is None else rust.to_str())
+    partial.write_text(text, encoding="utf-8")
     os.replace(partial, path)  # whole or absent: the detokenizer never reads half of it
 
 
@@ -80,11 +97,11 @@ def take_over(ipc_dir: str, model_path: str, waiting: Callable[[], None]) -> Dec
     while not path.exists():
         waiting()
         time.sleep(POLL_S)
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     if text:
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_str(text)
+        return RustDecoder(Tokenizer.from_str(text))
     from transformers import AutoTokenizer
 
     return TransformersDecoder(AutoTokenizer.from_pretrained(model_path))
