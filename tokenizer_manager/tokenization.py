@@ -18,6 +18,7 @@ import jinja2
 import msgspec
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from radixserve.detokenizer.tokenizer_handoff import decoder_for
 from radixserve.protocol.reasoning_tags import think_tags
 from radixserve.protocol.wire import (
     MAX_STOP_TOKEN_IDS,
@@ -99,7 +100,9 @@ class Tokenization:
         return await loop.run_in_executor(self._short.worker, self._token_texts, ids)
 
     def _token_texts(self, ids: list[int]) -> list[str]:
-        return self._short.tokenizer().batch_decode([[i] for i in ids])
+        # As transformers decodes each, through its Rust tokenizer where that is all it uses.
+        decoder = decoder_for(self._short.tokenizer())
+        return decoder.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
     def input_ids(self, req: GenerateRequest, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """The prompt's token ids; ValueError naming the field for ids outside the vocabulary,
