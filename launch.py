@@ -239,7 +239,8 @@ def _run_child(module: str, function: str, *args: Any) -> None:
         )
         hint = "" if serving else " (--log-level debug shows the traceback)"
         with contextlib.suppress(OSError):
-            reason = f"{type(e).__name__}: {e}{hint}"
+            said = " ".join(str(e).split())  # one line, as a library's message may not be
+            reason = f"{type(e).__name__}: {said}{hint}"
             ready_writer.send_bytes(msgspec.msgpack.encode(ProcessFailed(name, reason)))
         sys.exit(1)
     _exit_unfinalized()

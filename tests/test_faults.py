@@ -3,10 +3,13 @@ launcher names it, stops the rest, removes the IPC directory and exits non-zero 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 from live_server import child_pids, ipc_dir, wait_gone
 
@@ -66,3 +69,35 @@ def test_sighup_drains_like_sigterm_and_ps_names_each_process(tiny_served_model)
         assert "Traceback" not in log
         assert wait_gone(children) == []
         assert not os.path.exists(ipc)
+
+
+def test_a_sigterm_while_the_tokenizer_manager_starts_is_not_lost(tiny_served_model):
+    """launch.py drains by sending the tokenizer manager SIGTERM. Sent while the manager loads its
+    tokenizer (its title set, its event loop not yet running), it was ignored: the manager went
+    on to take requests, and 15 s later launch.py killed it under them."""
+    with launched_server("--model", str(tiny_served_model), wait=False) as s:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+            _title(pid) == "radixserve: tokenizer_manager" for pid in s.children()
+        ):
+            time.sleep(0.01)
+        assert "The model is ready" not in s.log()  # its tokenizer takes a second more to load
+        s.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        answers = set()
+        while s.proc.poll() is None and time.monotonic() - sent < 30:
+            with contextlib.suppress(httpx.HTTPError):  # not listening (yet, or any more)
+                answers.add(httpx.get(f"{s.http_url}/health", timeout=1).status_code)
+            time.sleep(0.1)
+        took = time.monotonic() - sent
+        assert s.proc.wait(30) == 0
+        print(f"\nSIGTERM while the tokenizer manager starts: stopped in {took:.1f} s")
+        assert took < 10, s.log()  # the drain's kill came after 15 s
+        assert 200 not in answers, "a server told to stop took requests"
+
+
+def _title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode()
+    except OSError:
+        return ""

@@ -404,6 +404,18 @@ def test_a_child_that_fails_while_starting_is_one_line_naming_it_and_why():
     assert "scheduler failed while starting: ValueError: --kernels cpu_extension" in line
 
 
+def test_a_failure_whose_message_has_several_lines_is_still_one_line(tiny_served_model, tmp_path):
+    """No tokenizer files: transformers' own error, five lines long, is the manager's reason."""
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).symlink_to(tiny_served_model / name)
+    code, log = start_and_fail("--model", str(tmp_path))
+    assert code == 1
+    (line,) = [line for line in log.splitlines() if "failed while starting" in line]
+    assert "tokenizer_manager failed while starting:" in line
+    after = log.splitlines()[log.splitlines().index(line) + 1 :]
+    assert all(line.startswith("[") for line in after), log  # each a process's own log line
+
+
 def test_a_child_killed_while_starting_is_named_with_its_signal():
     code, log = start_and_fail(kill_scheduler=True)
     assert code == 1

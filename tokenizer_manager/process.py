@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 from multiprocessing.connection import Connection
 
 import uvloop
@@ -27,9 +28,12 @@ async def _serve(
     http: HttpServer | None,
     ready_writer: Connection,
     heartbeat: Heartbeat,
+    stopped_early: threading.Event,
 ) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    if stopped_early.is_set():
+        stop.set()
     loops = [
         asyncio.create_task(manager.client_loop()),
         asyncio.create_task(manager.output_loop()),
@@ -78,7 +82,11 @@ def run_tokenizer_manager_process(
     heartbeat: Heartbeat,
 ) -> None:
     configure_process("tokenizer_manager", args)
+    # launch.py's drain is a SIGTERM to this process. One that comes while it starts, before the
+    # event loop takes the signal over, must start the drain once the loop runs, not be lost.
+    stopped_early = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped_early.set())
     take_torch_threads(1)
     manager = TokenizerManager(args, model_path, ipc_dir)
     http = HttpServer(manager, bind(args.host, args.http_port)) if args.http_port else None
-    uvloop.run(_serve(manager, http, ready_writer, heartbeat))
+    uvloop.run(_serve(manager, http, ready_writer, heartbeat, stopped_early))
