@@ -12,8 +12,11 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
+from types import FrameType
+from typing import Any
 
 import msgspec
 import setproctitle
@@ -22,6 +25,8 @@ import setproctitle
 from radixserve.model_worker.host_memory import release_freed_memory as release_freed_memory
 from radixserve.protocol.internal import ProcessReady
 from radixserve.server_args import ServerArgs, usable_cores
+
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers
 
 _PR_SET_PDEATHSIG = 1
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters, glibc's malloc.h
@@ -60,7 +65,9 @@ def has_reported_ready() -> bool:
     return _ready
 
 
-def configure_process(name: str, args: ServerArgs) -> None:
+def configure_process(
+    name: str, args: ServerArgs, on_sigterm: SignalHandler = signal.SIG_IGN
+) -> None:
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"[%(asctime)s {name}] %(message)s",
@@ -72,8 +79,9 @@ def configure_process(name: str, args: ServerArgs) -> None:
     setproctitle.setproctitle(f"radixserve: {name}")
     # launch.py alone decides how to stop us (SIGKILL once the tokenizer manager has drained):
     # a SIGTERM or Ctrl-C sent to the whole process group (systemd's default, kill -TERM -PGID)
-    # must not end the scheduler under a drain. The tokenizer manager installs its own SIGTERM.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # must not end the scheduler under a drain. The tokenizer manager's SIGTERM is the drain: it
+    # passes its own handler, in force from here on.
+    signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal: launch.py drains
     # Blocked by launch.py while it started us.

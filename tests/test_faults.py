@@ -77,11 +77,10 @@ def test_a_sigterm_while_the_tokenizer_manager_starts_is_not_lost(tiny_served_mo
     on to take requests, and 15 s later launch.py killed it under them."""
     with launched_server("--model", str(tiny_served_model), wait=False) as s:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(
-            _title(pid) == "radixserve: tokenizer_manager" for pid in s.children()
-        ):
+        while not any(_title(pid) == "radixserve: tokenizer_manager" for pid in s.children()):
+            assert time.monotonic() < deadline and s.proc.poll() is None, s.log()
             time.sleep(0.01)
-        assert "The model is ready" not in s.log()  # its tokenizer takes a second more to load
+        # Titled, it loads its tokenizer for a second or more before its loop runs.
         s.proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         answers = set()
@@ -92,7 +91,8 @@ def test_a_sigterm_while_the_tokenizer_manager_starts_is_not_lost(tiny_served_mo
         took = time.monotonic() - sent
         assert s.proc.wait(30) == 0
         print(f"\nSIGTERM while the tokenizer manager starts: stopped in {took:.1f} s")
-        assert took < 10, s.log()  # the drain's kill came after 15 s
+        assert took < 13, s.log()  # the drain's kill came after 15 s
+        assert "Shutting down" in s.log(), "the manager never drained"
         assert 200 not in answers, "a server told to stop took requests"
 
 

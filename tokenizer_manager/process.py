@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 from multiprocessing.connection import Connection
 
 import uvloop
@@ -28,11 +27,11 @@ async def _serve(
     http: HttpServer | None,
     ready_writer: Connection,
     heartbeat: Heartbeat,
-    stopped_early: threading.Event,
+    stopped_early: list[int],
 ) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    if stopped_early.is_set():
+    if stopped_early:
         stop.set()
     loops = [
         asyncio.create_task(manager.client_loop()),
@@ -81,11 +80,13 @@ def run_tokenizer_manager_process(
     ready_writer: Connection,
     heartbeat: Heartbeat,
 ) -> None:
-    configure_process("tokenizer_manager", args)
     # launch.py's drain is a SIGTERM to this process. One that comes while it starts, before the
-    # event loop takes the signal over, must start the drain once the loop runs, not be lost.
-    stopped_early = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopped_early.set())
+    # event loop takes the signal over, must start the drain once the loop runs, not be lost. A
+    # list, not a threading.Event: a second signal's handler may run inside the first's.
+    stopped_early: list[int] = []
+    configure_process(
+        "tokenizer_manager", args, on_sigterm=lambda signum, _: stopped_early.append(signum)
+    )
     take_torch_threads(1)
     manager = TokenizerManager(args, model_path, ipc_dir)
     http = HttpServer(manager, bind(args.host, args.http_port)) if args.http_port else None

@@ -164,7 +164,9 @@ class Tokenization:
         """The text of `ids`, special tokens kept (a prompt's, echoed)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._short.worker, lambda: str(self._short.tokenizer().decode(ids))
+            self._short.worker,
+            # No clean-up, as the detokenizer: the text must equal its tokens' texts joined.
+            lambda: str(self._short.tokenizer().decode(ids, clean_up_tokenization_spaces=False)),
         )
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> None:
