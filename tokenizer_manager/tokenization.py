@@ -61,6 +61,8 @@ class Tokenization:
             )
         self.loaded = tokenizer  # the short lane's: called from its thread once serving
         self._short = _Lane(model_path, "short", tokenizer)
+        # Each logprob token's own text, as transformers decodes it (on the short lane).
+        self._token_decoder = decoder_for(tokenizer)
         self._long = _Lane(model_path, "long", None)
         self.vocab_size = vocab_size
         # No token stands for more characters than its own spelling has, so a text longer than
@@ -100,9 +102,7 @@ class Tokenization:
         return await loop.run_in_executor(self._short.worker, self._token_texts, ids)
 
     def _token_texts(self, ids: list[int]) -> list[str]:
-        # As transformers decodes each, through its Rust tokenizer where that is all it uses.
-        decoder = decoder_for(self._short.tokenizer())
-        return decoder.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        return self._token_decoder.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
     def input_ids(self, req: GenerateRequest, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """The prompt's token ids; ValueError naming the field for ids outside the vocabulary,
