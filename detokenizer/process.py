@@ -16,7 +16,7 @@ from radixserve.process_setup import (
     report_ready,
 )
 from radixserve.protocol import transport
-from radixserve.protocol.internal import BatchStrOut, BatchTokenOut
+from radixserve.protocol.internal import BatchStrOut, BatchTokenOut, DetokenizerReady
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ def run_detokenizer_process(
     to_scheduler = transport.connect_push(ctx, ipc_dir, transport.SCHEDULER_INPUT)
     codec = transport.Codec(BatchTokenOut)
 
+    send_sock.send(codec.encode(DetokenizerReady()))
     report_ready(ready_writer, "detokenizer")
     ready_writer.close()
     logger.info("ready")

@@ -169,6 +169,12 @@ class SchedulerReady(_Msg, tag="ready"):
     max_total_tokens: int
 
 
+class DetokenizerReady(_Msg, tag="detokenizer_ready"):
+    """The detokenizer has its tokenizer and reads token ids: with a slow tokenizer (loaded
+    through transformers, not handed over) it can be ready after the model is. Generates wait
+    for it as for the replicas."""
+
+
 class ReplicaLoad(_Msg, tag="load"):
     """A replica's load, for the data-parallel controller's router: the generates it has
     received so far, and those it holds now (waiting or running). The controller adds the ones
@@ -187,6 +193,7 @@ TokenizerManagerInput = (
     | HealthOut
     | ModelInfoOut
     | SchedulerReady
+    | DetokenizerReady
 )
 
 

@@ -13,10 +13,12 @@ import pytest
 from tm_harness import generate, receive, send, tokenizer_manager
 
 from radixserve.protocol.internal import (
+    DetokenizerReady,
     HealthOut,
     HealthReq,
     LauncherInput,
     ProcessReady,
+    SchedulerReady,
     TokenizedGenerateReq,
 )
 from radixserve.protocol.wire import GenerateRequest
@@ -38,6 +40,29 @@ def test_until_the_model_is_ready_requests_get_not_ready_with_their_rid(tiny_ser
             assert not await h.scheduler.poll(100)  # nothing was held for the scheduler
 
             await h.announce_ready()
+            await send(client, **generate("later"))
+            assert isinstance(await h.to_scheduler(), TokenizedGenerateReq)
+
+    asyncio.run(scenario())
+
+
+def test_a_model_loaded_before_the_detokenizer_is_not_ready_yet(tiny_served_model):
+    """A slow tokenizer's detokenizer loads it through transformers, which can take longer than
+    a small model's load: until it can turn tokens into text, generates and health checks get
+    `not_ready` (503 over HTTP), as while the model loads."""
+
+    async def scenario() -> None:
+        async with tokenizer_manager(tiny_served_model, ready=False) as h:
+            client = h.client()
+            await h.backend.send(msgspec.msgpack.encode(SchedulerReady(0, max_total_tokens=64)))
+            await send(client, type="health")
+            assert (await receive(client))["code"] == "not_ready"
+            await send(client, **generate("early"))
+            assert (await receive(client))["code"] == "not_ready"
+            assert not h.manager.model_ready.is_set()
+
+            await h.backend.send(msgspec.msgpack.encode(DetokenizerReady()))
+            await asyncio.wait_for(h.manager.model_ready.wait(), 5)
             await send(client, **generate("later"))
             assert isinstance(await h.to_scheduler(), TokenizedGenerateReq)
 

@@ -24,13 +24,14 @@ from radixserve.model_worker.model_source import default_model_dir
 from radixserve.process_setup import Heartbeat
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
-    BatchStrOut,
     BatchTokenOut,
+    DetokenizerReady,
     ProcessReady,
     ReqStart,
     ReqStrOut,
     ReqTokenOut,
     StopReq,
+    TokenizerManagerInput,
 )
 from radixserve.protocol.wire import FinishReason
 from radixserve.server_args import ServerArgs
@@ -453,7 +454,9 @@ def test_detokenizer_process_over_ipc(model_dir, tokenizer):
         libraries = Path(f"/proc/{proc.pid}/maps").read_text()
         assert "libtorch" not in libraries, "the detokenizer loaded torch (and transformers)"
 
-        codec = transport.Codec(BatchStrOut)
+        codec = transport.Codec(TokenizerManagerInput)
+        # Told first that it can turn tokens into text: the manager counts that into "ready".
+        assert results.poll(10_000) and codec.decode(results.recv()) == DetokenizerReady()
         push = transport.connect_push(ctx, ipc_dir, transport.DETOKENIZER_INPUT)
         ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
         first = [token_out("a", ids[:2]), token_out("b", ids, LENGTH)]

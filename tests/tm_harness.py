@@ -19,7 +19,13 @@ import zmq.asyncio
 
 from radixserve.client.local_server import free_port
 from radixserve.protocol import transport
-from radixserve.protocol.internal import BatchStrOut, ReqStrOut, SchedulerInput, SchedulerReady
+from radixserve.protocol.internal import (
+    BatchStrOut,
+    DetokenizerReady,
+    ReqStrOut,
+    SchedulerInput,
+    SchedulerReady,
+)
 from radixserve.protocol.wire import FinishReason
 from radixserve.server_args import ServerArgs
 from radixserve.tokenizer_manager.manager import TokenizerManager
@@ -46,7 +52,10 @@ class Harness:
         return msgspec.msgpack.decode(data, type=SchedulerInput)
 
     async def announce_ready(self) -> None:
-        """What the scheduler sends once its model is loaded; back once the manager has it."""
+        """What the detokenizer sends once it has its tokenizer, and the scheduler once its model
+        is loaded; back once the manager has both."""
+        if hasattr(self.manager, "detokenizer_ready"):  # older managers did not wait for it
+            await self.backend.send(msgspec.msgpack.encode(DetokenizerReady()))
         await self.backend.send(msgspec.msgpack.encode(SchedulerReady(0, max_total_tokens=1 << 20)))
         while not self.manager.ready:
             await asyncio.sleep(0.01)

@@ -25,6 +25,7 @@ from radixserve.model_worker.model_config import ModelConfig
 from radixserve.protocol import transport
 from radixserve.protocol.internal import (
     BatchStrOut,
+    DetokenizerReady,
     FlushCacheOut,
     FlushCacheReq,
     HealthOut,
@@ -112,7 +113,9 @@ class TokenizerManager:
         self._timeouts: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
         self.query_ids = itertools.count()
         self.metrics = Metrics()
-        self.replicas_ready: set[int] = set()  # until all are, requests get `not_ready`
+        # Until every replica and the detokenizer are, requests get `not_ready`.
+        self.replicas_ready: set[int] = set()
+        self.detokenizer_ready = False
         self.model_ready = asyncio.Event()  # set once all are: then launch.py may say "ready"
         # The smallest replica's KV pool: what a request may hold at most (known once ready).
         self.kv_tokens = sys.maxsize
@@ -120,7 +123,7 @@ class TokenizerManager:
 
     @property
     def ready(self) -> bool:
-        return len(self.replicas_ready) == self.args.dp_size
+        return self.detokenizer_ready and len(self.replicas_ready) == self.args.dp_size
 
     def check_ready(self, rid: str | None = None) -> None:
         if not self.ready:
@@ -228,9 +231,15 @@ class TokenizerManager:
                 case SchedulerReady(dp_rank=dp_rank, max_total_tokens=pool):
                     self.replicas_ready.add(dp_rank)
                     self.kv_tokens = min(self.kv_tokens, pool)
-                    if self.ready and not self.model_ready.is_set():
-                        logger.info("The model is ready: taking requests")
-                        self.model_ready.set()
+                    self._note_readiness()
+                case DetokenizerReady():
+                    self.detokenizer_ready = True
+                    self._note_readiness()
+
+    def _note_readiness(self) -> None:
+        if self.ready and not self.model_ready.is_set():
+            logger.info("The model is ready: taking requests")
+            self.model_ready.set()
 
     async def handle_output(self, out: ReqStrOut) -> None:
         completion = self.inflight.completions.get(out.rid)
