@@ -162,8 +162,8 @@ class ModelInfoOut(_Msg, tag="model_info_out"):
 
 class SchedulerReady(_Msg, tag="ready"):
     """A replica's model is loaded and its scheduler serves: the tokenizer manager takes
-    generates once every replica has said so. `max_total_tokens`: its KV pool, the most a
-    request (prompt and output) can ever hold."""
+    generates once every replica (and the detokenizer) has said so. `max_total_tokens`: its KV
+    pool, the most a request (prompt and output) can ever hold."""
 
     dp_rank: int
     max_total_tokens: int

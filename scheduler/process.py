@@ -153,8 +153,9 @@ class SchedulerProcess:
             self.scheduler.outbox = []
 
     def announce_ready(self) -> None:
-        """Tell the tokenizer manager this replica serves: until every replica has, it refuses
-        generates and control queries with `not_ready` rather than hold them."""
+        """Tell the tokenizer manager this replica serves: until every replica (and the
+        detokenizer) has, it refuses generates and control queries with `not_ready` rather than
+        hold them."""
         self._reply(SchedulerReady(self.dp_rank, self.scheduler.config.max_total_tokens))
 
     def _reply(self, msg: msgspec.Struct) -> None:

@@ -71,7 +71,8 @@ def test_a_model_loaded_before_the_detokenizer_is_not_ready_yet(tiny_served_mode
 
 def test_the_manager_tells_the_launcher_it_is_ready_only_once_the_model_is(tiny_served_model):
     """launch.py logs "radixserve ready" once every child has reported: the manager's report
-    waits for the scheduler's, so that a client starting on that line never meets `not_ready`."""
+    waits for the scheduler's (and the detokenizer's), so that a client starting on that line
+    never meets `not_ready`."""
 
     async def scenario() -> None:
         async with tokenizer_manager(tiny_served_model, ready=False) as h:

@@ -54,8 +54,7 @@ class Harness:
     async def announce_ready(self) -> None:
         """What the detokenizer sends once it has its tokenizer, and the scheduler once its model
         is loaded; back once the manager has both."""
-        if hasattr(self.manager, "detokenizer_ready"):  # older managers did not wait for it
-            await self.backend.send(msgspec.msgpack.encode(DetokenizerReady()))
+        await self.backend.send(msgspec.msgpack.encode(DetokenizerReady()))
         await self.backend.send(msgspec.msgpack.encode(SchedulerReady(0, max_total_tokens=1 << 20)))
         while not self.manager.ready:
             await asyncio.sleep(0.01)

@@ -60,8 +60,9 @@ async def _serve(
 
 
 async def report_when_ready(manager: TokenizerManager, ready_writer: Connection) -> None:
-    # Only once every scheduler has said its model is loaded: launch.py's "radixserve ready"
-    # follows this, and a client that starts on that line must not meet `not_ready`.
+    # Only once every scheduler has said its model is loaded, and the detokenizer that it has its
+    # tokenizer: launch.py's "radixserve ready" follows this, and a client that starts on that
+    # line must not meet `not_ready`.
     await manager.model_ready.wait()
     report_ready(ready_writer, "tokenizer_manager")
 
