@@ -61,8 +61,9 @@ class Tokenization:
             )
         self.loaded = tokenizer  # the short lane's: called from its thread once serving
         self._short = _Lane(model_path, "short", tokenizer)
-        # Each logprob token's own text, as transformers decodes it (on the short lane).
-        self._token_decoder = decoder_for(tokenizer)
+        # Texts of ids (logprob tokens, an echoed prompt) as the detokenizer decodes them, with
+        # no clean-up: on the short lane, whose tokenizer it wraps.
+        self._decoder = decoder_for(tokenizer)
         self._long = _Lane(model_path, "long", None)
         self.vocab_size = vocab_size
         # No token stands for more characters than its own spelling has, so a text longer than
@@ -102,7 +103,7 @@ class Tokenization:
         return await loop.run_in_executor(self._short.worker, self._token_texts, ids)
 
     def _token_texts(self, ids: list[int]) -> list[str]:
-        return self._token_decoder.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        return self._decoder.decode_batch([[i] for i in ids], skip_special_tokens=False)
 
     def input_ids(self, req: GenerateRequest, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """The prompt's token ids; ValueError naming the field for ids outside the vocabulary,
@@ -165,8 +166,7 @@ class Tokenization:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._short.worker,
-            # No clean-up, as the detokenizer: the text must equal its tokens' texts joined.
-            lambda: str(self._short.tokenizer().decode(ids, clean_up_tokenization_spaces=False)),
+            lambda: self._decoder.decode_batch([ids], skip_special_tokens=False)[0],
         )
 
     def _check_ids(self, field: str, ids: Iterable[int]) -> None:
